@@ -1,0 +1,11 @@
+"""Pure-PyTorch encoder-decoder Transformer for very deep machine translation.
+
+Nothing in this package imports DeepSpeed: `pipeline/` applies pipeline parallelism to these
+layers from outside, and the same layer classes make the single-process reference model.
+"""
+
+from model.config import ConfigError, ModelConfig
+from model.norms import SCHEMES, NormScheme, build_scheme, register
+from model.transformer import Transformer
+
+__all__ = ["SCHEMES", "ConfigError", "ModelConfig", "NormScheme", "Transformer", "build_scheme", "register"]

@@ -1,0 +1,52 @@
+"""Token embeddings with fairseq's scaling and sinusoidal positions, also usable as the output projection."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import PAD
+
+
+@functools.lru_cache(maxsize=8)
+def sinusoidal_table(num_positions: int, dim: int, padding_idx: int = PAD) -> torch.Tensor:
+    """fairseq's table: [sin | cos] halves (not interleaved), zero row at padding_idx."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float) * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(num_positions, dtype=torch.float)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    table[padding_idx] = 0
+    return table
+
+
+def positions_of(tokens: torch.Tensor, padding_idx: int = PAD) -> torch.Tensor:
+    """Positions counted over non-pad tokens from padding_idx + 1, so left or right padding give the same."""
+    mask = tokens.ne(padding_idx).long()
+    return torch.cumsum(mask, dim=1) * mask + padding_idx
+
+
+class Embedding(nn.Embedding):
+    """embed(): dropout(sqrt(d) * E[tokens] + positions); project(): logits x E^T (tied output layer)."""
+
+    def __init__(self, vocab_size: int, embed_dim: int, dropout: float = 0.0, padding_idx: int = PAD):
+        super().__init__(vocab_size, embed_dim, padding_idx=padding_idx)
+        nn.init.normal_(self.weight, mean=0.0, std=embed_dim**-0.5)
+        with torch.no_grad():
+            self.weight[padding_idx].zero_()
+        self.scale = math.sqrt(embed_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = positions_of(tokens, self.padding_idx)
+        table = sinusoidal_table(int(positions.max()) + 1, self.embedding_dim, self.padding_idx)
+        x = self.scale * super().forward(tokens) + table.to(self.weight)[positions]
+        return self.dropout(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

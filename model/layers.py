@@ -1,0 +1,111 @@
+"""Attention and the encoder/decoder layers, with fairseq's parameter names.
+
+Each sublayer's residual connection and normalization come from the configured norm scheme
+(model/norms.py); the layers only say what the branches compute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import PAD, ModelConfig
+from model.norms import Side, build_scheme
+
+
+def key_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """Boolean mask broadcastable over (batch, heads, queries, keys): True where a key is a real token."""
+    return tokens.ne(PAD)[:, None, None, :]
+
+
+class MultiheadAttention(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.k_proj = nn.Linear(embed_dim, embed_dim)
+        self.v_proj = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+        # fairseq's initialization
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.num_heads, dim // self.num_heads).transpose(1, 2)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_value: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> torch.Tensor:
+        q, k, v = (
+            self._heads(self.q_proj(query)),
+            self._heads(self.k_proj(key_value)),
+            self._heads(self.v_proj(key_value)),
+        )
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
+        )
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+class TransformerLayer(nn.Module):
+    """Self-attention, cross-attention (decoder only) and FFN sublayers, each joined to the residual
+    stream by the norm scheme's residual module."""
+
+    def __init__(self, cfg: ModelConfig, side: Side):
+        super().__init__()
+        scheme = build_scheme(cfg)
+        dim = cfg.embed_dim
+        self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.self_attn_residual = scheme.residual(side)
+        if side == "decoder":
+            self.encoder_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout)
+            self.encoder_attn_layer_norm = nn.LayerNorm(dim)
+            self.encoder_attn_residual = scheme.residual(side)
+        self.fc1 = nn.Linear(dim, cfg.ffn_dim)
+        self.fc2 = nn.Linear(cfg.ffn_dim, dim)
+        self.final_layer_norm = nn.LayerNorm(dim)
+        self.ffn_residual = scheme.residual(side)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.activation_dropout = nn.Dropout(cfg.activation_dropout)
+        scheme.init_layer(self, side)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(self.activation_dropout(F.relu(self.fc1(x)))))
+
+
+class EncoderLayer(TransformerLayer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, "encoder")
+
+    def forward(self, x: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
+        mask = key_mask(src_tokens)
+        x = self.self_attn_residual(x, lambda h: self.dropout(self.self_attn(h, h, mask)), self.self_attn_layer_norm)
+        return self.ffn_residual(x, self.ffn, self.final_layer_norm)
+
+
+class DecoderLayer(TransformerLayer):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, "decoder")
+
+    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
+        # Targets are right-padded, so the causal mask alone keeps real queries off pad keys.
+        x = self.self_attn_residual(
+            x, lambda h: self.dropout(self.self_attn(h, h, causal=True)), self.self_attn_layer_norm
+        )
+        mask = key_mask(src_tokens)
+        x = self.encoder_attn_residual(
+            x, lambda h: self.dropout(self.encoder_attn(h, encoder_out, mask)), self.encoder_attn_layer_norm
+        )
+        return self.ffn_residual(x, self.ffn, self.final_layer_norm)

@@ -1,0 +1,232 @@
+"""The registry of residual/normalization schemes.
+
+A scheme alone decides, for every sublayer (self-attention, cross-attention, FFN), how its branch
+F is combined with the residual stream and normalized, and how the layer's weights are
+initialized on top of fairseq's defaults. Adding a scheme is one registered class below;
+layers, pipeline and trainer do not change.
+
+    python scripts/list_schemes.py      # prints the registry as a table
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from model.config import ConfigError, ModelConfig, parse_section
+
+Side = Literal["encoder", "decoder"]
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+class PostNorm(nn.Module):
+    """x_{l+1} = LN(residual_scale * x_l + branch_scale * F(x_l))."""
+
+    def __init__(self, residual_scale: float = 1.0, branch_scale: float = 1.0):
+        super().__init__()
+        # Plain floats, not buffers: a bf16 engine would round a buffer, and they are derived
+        # from the config (and the step), so they never belong in a checkpoint.
+        self.residual_scale = residual_scale
+        self.branch_scale = branch_scale
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        residual = x if self.residual_scale == 1.0 else self.residual_scale * x
+        out = branch(x)
+        if self.branch_scale != 1.0:
+            out = self.branch_scale * out
+        return layer_norm(residual + out)
+
+    def extra_repr(self) -> str:
+        return f"residual_scale={self.residual_scale:.6g}, branch_scale={self.branch_scale:.6g}"
+
+
+class PreNorm(nn.Module):
+    """x_{l+1} = x_l + F(LN(x_l))."""
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        return x + branch(layer_norm(x))
+
+
+class NormScheme:
+    """Base class: Post-LN placement, fairseq initialization, no extra parameters."""
+
+    name: ClassVar[str]
+    formula: ClassVar[str]
+    source: ClassVar[str]
+    # Pre-LN stacks end in a final LayerNorm (fairseq's encoder.layer_norm / decoder.layer_norm).
+    normalize_before: ClassVar[bool] = False
+
+    @dataclass
+    class Options:
+        pass
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.options = parse_section(self.Options, cfg.schemes.get(self.name, {}), f"model.{self.name}")
+
+    def residual(self, side: Side) -> nn.Module:
+        """The module joining one sublayer's branch to the residual stream."""
+        return PostNorm()
+
+    def init_layer(self, layer: nn.Module, side: Side) -> None:
+        """Re-initializes a freshly built layer; fairseq's initialization is already applied."""
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Step-dependent values worth logging (e.g. BranchNorm's alpha)."""
+        return {}
+
+
+SCHEMES: dict[str, type[NormScheme]] = {}
+
+
+def register(cls: type[NormScheme]) -> type[NormScheme]:
+    SCHEMES[cls.name] = cls
+    return cls
+
+
+def build_scheme(cfg: ModelConfig) -> NormScheme:
+    try:
+        scheme = SCHEMES[cfg.norm_scheme]
+    except KeyError:
+        raise ConfigError(
+            f"model.norm_scheme: unknown scheme '{cfg.norm_scheme}'; choose one of {', '.join(SCHEMES)}"
+        ) from None
+    return scheme(cfg)
+
+
+@register
+class PostLN(NormScheme):
+    name = "post_ln"
+    formula = "x = LN(x + F(x))"
+    source = "Vaswani et al. 2017"
+
+
+@register
+class PreLN(NormScheme):
+    name = "pre_ln"
+    formula = "x = x + F(LN(x)); final LN after each stack"
+    source = "Xiong et al. 2020"
+    normalize_before = True
+
+    def residual(self, side: Side) -> nn.Module:
+        return PreNorm()
+
+
+def deepnorm_constants(encoder_layers: int, decoder_layers: int, side: Side) -> tuple[float, float]:
+    """(alpha, beta) of DeepNet's encoder-decoder table for N encoder and M decoder layers."""
+    n, m = encoder_layers, decoder_layers
+    if side == "encoder":
+        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+    return (3 * m) ** (1 / 4), (12 * m) ** (-1 / 4)
+
+
+# DeepNet scales these projections by beta; queries and keys keep gain 1.
+BETA_SCALED = ("v_proj", "out_proj", "fc1", "fc2")
+UNSCALED = ("q_proj", "k_proj")
+
+
+def deepnorm_init(layer: nn.Module, beta: float) -> None:
+    """DeepNet's init: xavier_normal_ with gain beta on BETA_SCALED, gain 1 on q/k."""
+    for name, module in layer.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and leaf in BETA_SCALED + UNSCALED:
+            nn.init.xavier_normal_(module.weight, gain=beta if leaf in BETA_SCALED else 1.0)
+
+
+@register
+class DeepNorm(NormScheme):
+    name = "deepnorm"
+    formula = "x = LN(alpha * x + F(x)); beta-scaled init of v_proj, out_proj, fc1, fc2"
+    source = "Wang et al. 2022, DeepNet"
+
+    def residual(self, side: Side) -> nn.Module:
+        alpha, _ = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
+        return PostNorm(residual_scale=alpha)
+
+    def init_layer(self, layer: nn.Module, side: Side) -> None:
+        _, beta = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
+        deepnorm_init(layer, beta)
+
+
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+# The paper (Sec. 5.1, Fig. 7) shows exp and sigmoid growth only as curves. These closed forms
+# have the same shapes and, like the linear rule, are 0 at t=0, reach 1 at t=T and are clipped.
+GROWTH: dict[str, Callable[[float], float]] = {
+    "linear": lambda u: u,
+    "exp": lambda u: math.expm1(5.0 * u) / math.expm1(5.0),
+    "sigmoid": lambda u: (_sigmoid(10.0 * (u - 0.5)) - _sigmoid(-5.0)) / (_sigmoid(5.0) - _sigmoid(-5.0)),
+}
+
+
+def branchnorm_alpha(step: int, T: int, growth: str = "linear") -> float:
+    """alpha_t of BranchNorm Eq. 8: min(1, t/T) for linear growth, t = completed optimizer steps."""
+    return min(1.0, GROWTH[growth](min(step, T) / T))
+
+
+@runtime_checkable
+class StepScheduled(Protocol):
+    """A module whose behaviour depends on the global optimizer step (moved by a step hook)."""
+
+    def set_step(self, step: int) -> None: ...
+
+
+class BranchScaled(PostNorm):
+    """x_{l+1} = LN(x_l + alpha_t * F(x_l)); the step hook moves alpha_t."""
+
+    def __init__(self, schedule: Callable[[int], float]):
+        super().__init__(branch_scale=schedule(0))
+        self.schedule = schedule
+
+    def set_step(self, step: int) -> None:
+        self.branch_scale = self.schedule(step)
+
+
+@register
+class BranchNorm(NormScheme):
+    name = "branchnorm"
+    formula = "x = LN(x + alpha_t * F(x)), alpha_t = min(1, t/T)"
+    source = "Liu et al. 2023, BranchNorm"
+
+    @dataclass
+    class Options:
+        T: int = 4000
+        growth: str = "linear"
+        # Sec. 4.1: "We initialize model parameters following DeepNorm".
+        init: str = "deepnorm"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        if self.options.T < 1:
+            raise ConfigError(f"model.branchnorm.T: must be at least 1, got {self.options.T}")
+        if self.options.growth not in GROWTH:
+            raise ConfigError(f"model.branchnorm.growth: '{self.options.growth}'; choose one of {', '.join(GROWTH)}")
+        if self.options.init not in ("deepnorm", "fairseq"):
+            raise ConfigError(f"model.branchnorm.init: '{self.options.init}'; choose deepnorm or fairseq")
+
+    def alpha(self, step: int) -> float:
+        return branchnorm_alpha(step, self.options.T, self.options.growth)
+
+    def residual(self, side: Side) -> nn.Module:
+        return BranchScaled(self.alpha)
+
+    def init_layer(self, layer: nn.Module, side: Side) -> None:
+        if self.options.init == "deepnorm":
+            _, beta = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
+            deepnorm_init(layer, beta)
+
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return {"alpha": self.alpha(step)}
+
+
+def registry_table() -> str:
+    rows = ["| scheme | residual | source |", "| --- | --- | --- |"]
+    rows += [f"| `{s.name}` | {s.formula} | {s.source} |" for s in SCHEMES.values()]
+    return "\n".join(rows)

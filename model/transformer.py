@@ -1,0 +1,73 @@
+"""The single-process encoder-decoder: the reference for tests, generation and export.
+
+It is built from the very layer classes the pipeline runs, and its module names are fairseq's
+(encoder.embed_tokens, encoder.layers.N, decoder.output_projection, ...), so a pipeline
+checkpoint loads into it layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import ModelConfig
+from model.embedding import Embedding
+from model.layers import DecoderLayer, EncoderLayer
+from model.norms import build_scheme
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed_tokens: Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.embed_dim) if build_scheme(cfg).normalize_before else None
+
+    def forward(self, src_tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens.embed(src_tokens)
+        for layer in self.layers:
+            x = layer(x, src_tokens)
+        return x if self.layer_norm is None else self.layer_norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed_tokens: Embedding, output_projection: Embedding):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.embed_dim) if build_scheme(cfg).normalize_before else None
+        self.output_projection = output_projection
+
+    def forward(
+        self, prev_output_tokens: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.embed_tokens.embed(prev_output_tokens)
+        for layer in self.layers:
+            x = layer(x, encoder_out, src_tokens)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        return self.output_projection.project(x)
+
+
+def build_embeddings(cfg: ModelConfig) -> tuple[Embedding, Embedding, Embedding]:
+    """(encoder input, decoder input, output projection) tables, shared as the config says."""
+    src = Embedding(cfg.src_vocab_size, cfg.embed_dim, cfg.dropout)
+    if cfg.share_all_embeddings:
+        return src, src, src
+    tgt = Embedding(cfg.tgt_vocab_size, cfg.embed_dim, cfg.dropout)
+    if cfg.share_decoder_input_output_embed:
+        return src, tgt, tgt
+    return src, tgt, Embedding(cfg.tgt_vocab_size, cfg.embed_dim)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        src_embed, tgt_embed, output_projection = build_embeddings(cfg)
+        self.encoder = Encoder(cfg, src_embed)
+        self.decoder = Decoder(cfg, tgt_embed, output_projection)
+
+    def forward(self, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary, (batch, target length, vocab)."""
+        return self.decoder(prev_output_tokens, self.encoder(src_tokens), src_tokens)

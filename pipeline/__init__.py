@@ -1,0 +1,1 @@
+"""DeepSpeed glue: turns the layers of `model/` into a PipelineModule and drives the engine."""

@@ -1,0 +1,182 @@
+"""One JSON file per experiment: DeepSpeed's own keys at top level plus our `model`, `data`, `train`.
+
+Everything is checked here, before any process trains: DeepSpeed ignores unknown top-level
+keys, so a typo in one of our sections would otherwise silently train the wrong model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ConfigError, ModelConfig, parse_section
+from pipeline.data import SyntheticConfig
+
+OUR_SECTIONS = ("model", "data", "train")
+DEFAULT_PARTITION = "type:(Encoder|Decoder)LayerPipe"
+
+
+@dataclass
+class DataConfig:
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    save_dir: str = "checkpoints/run"
+    save_interval: int = 500
+    seed: int = 1
+    log_interval: int = 10
+    label_smoothing: float = 0.1
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "save_interval", "log_interval"):
+            if getattr(self, key) < (0 if key == "max_steps" else 1):
+                raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    deepspeed: dict[str, Any]  # the top-level DeepSpeed keys, handed to deepspeed.initialize as is
+
+    @property
+    def stages(self) -> int:
+        return self.deepspeed["pipeline"]["stages"]
+
+    @property
+    def partition(self) -> str:
+        return self.deepspeed["pipeline"].get("partition", DEFAULT_PARTITION)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.deepspeed["train_micro_batch_size_per_gpu"]
+
+    def to_dict(self) -> dict[str, Any]:
+        model = asdict(self.model)
+        model.update(model.pop("schemes"))
+        return {**self.deepspeed, "model": model, "data": asdict(self.data), "train": asdict(self.train)}
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'model.encoder_layers=24' -> (['model', 'encoder_layers'], 24); values are JSON, else strings."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--override {text!r}: expected dotted.key=value, e.g. model.encoder_layers=24")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for depth, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--override {text}: {'.'.join(path[: depth + 1])} is not a section")
+            node = child
+        node[path[-1]] = value
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    return raw
+
+
+def _require_int(ds: dict[str, Any], key: str, minimum: int = 1) -> int | None:
+    value = ds.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int) -> None:
+    """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them."""
+    pipeline = ds.get("pipeline")
+    if not isinstance(pipeline, dict) or "stages" not in pipeline:
+        raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
+    stages = _require_int(pipeline, "stages")
+    layers = cfg.encoder_layers + cfg.decoder_layers
+    if stages > layers:
+        raise ConfigError(
+            f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
+        )
+    partition = pipeline.get("partition", DEFAULT_PARTITION)
+    if not (partition in ("uniform", "parameters") or str(partition).startswith("type:")):
+        raise ConfigError(f"pipeline.partition: {partition!r}; use uniform, parameters or type:REGEX")
+    # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
+    # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
+    if pipeline.setdefault("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
+        raise ConfigError(
+            "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
+            "a stage boundary; set it false (the default here)"
+        )
+    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if zero_stage not in (0, 1):
+        raise ConfigError(
+            f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
+        )
+    if world_size % stages:
+        raise ConfigError(
+            f"pipeline.stages: {world_size} processes cannot be split into {stages} stages; "
+            f"launch a multiple of {stages} processes"
+        )
+    data_parallel = world_size // stages
+    micro = _require_int(ds, "train_micro_batch_size_per_gpu")
+    if micro is None:
+        raise ConfigError("train_micro_batch_size_per_gpu: missing; set the sentences per micro-batch")
+    total = _require_int(ds, "train_batch_size")
+    accumulation = _require_int(ds, "gradient_accumulation_steps")
+    if total is not None and accumulation is not None and total != micro * accumulation * data_parallel:
+        raise ConfigError(
+            f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
+            f"{accumulation} x {data_parallel} data-parallel ranks; set it to {micro * accumulation * data_parallel}"
+        )
+    if total is not None and total % (micro * data_parallel):
+        raise ConfigError(
+            f"train_batch_size: {total} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
+            f"{data_parallel} data-parallel ranks"
+        )
+    for precision in ("fp16", "bf16"):
+        if not isinstance(ds.get(precision, {}), dict):
+            raise ConfigError(f'{precision}: expected an object like {{"enabled": true}}')
+    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+        raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
+    if ds.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
+        raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
+
+
+def load_config(path: str | Path, overrides: list[str] = (), world_size: int = 1) -> RunConfig:
+    raw = read_json(path)
+    apply_overrides(raw, list(overrides))
+    ds = {k: v for k, v in raw.items() if k not in OUR_SECTIONS}
+    for section in OUR_SECTIONS:
+        if section not in raw:
+            raise ConfigError(f'{section}: missing section; add "{section}": {{...}} to {path}')
+    model = ModelConfig.from_dict(raw["model"])
+    data = parse_section(DataConfig, raw["data"], "data")
+    train = parse_section(TrainConfig, raw["train"], "train")
+    check_deepspeed(ds, model, world_size)
+    return RunConfig(model=model, data=data, train=train, deepspeed=ds)

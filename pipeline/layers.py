@@ -1,0 +1,123 @@
+"""The pipeline model as one flat list of LayerSpecs over the layers of `model/`.
+
+Activations cross stage boundaries as tuples of tensors. Token ids ride along as integer
+tensors (never floats, which DeepSpeed would expect gradients for), so only the first stage
+reads inputs and only the last reads labels:
+
+    (src_tokens, prev_output_tokens)                      -> encoder embedding
+    (x, src_tokens, prev_output_tokens)                   -> encoder layers [, encoder.layer_norm]
+    (y, encoder_out, src_tokens)                          -> decoder embedding, decoder layers
+    y                                                     -> [decoder.layer_norm,] output projection
+"""
+
+from __future__ import annotations
+
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.embedding import Embedding
+from model.layers import DecoderLayer, EncoderLayer
+from model.norms import build_scheme
+
+Activations = tuple[Tensor, ...]
+
+
+class EncoderEmbeddingPipe(Embedding):
+    def forward(self, inputs: Activations) -> Activations:
+        src_tokens, prev_output_tokens = inputs
+        return self.embed(src_tokens), src_tokens, prev_output_tokens
+
+
+class EncoderLayerPipe(EncoderLayer):
+    def forward(self, inputs: Activations) -> Activations:
+        x, src_tokens, prev_output_tokens = inputs
+        return super().forward(x, src_tokens), src_tokens, prev_output_tokens
+
+
+class EncoderNormPipe(nn.LayerNorm):
+    def forward(self, inputs: Activations) -> Activations:
+        x, src_tokens, prev_output_tokens = inputs
+        return super().forward(x), src_tokens, prev_output_tokens
+
+
+def embed_decoder_inputs(embedding: Embedding, inputs: Activations) -> Activations:
+    encoder_out, src_tokens, prev_output_tokens = inputs
+    return embedding.embed(prev_output_tokens), encoder_out, src_tokens
+
+
+class DecoderEmbeddingPipe(Embedding):
+    def forward(self, inputs: Activations) -> Activations:
+        return embed_decoder_inputs(self, inputs)
+
+
+class DecoderLayerPipe(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, last: bool):
+        super().__init__(cfg)
+        # The last layer drops encoder_out: a float sent to a later stage that gets no gradient
+        # back stalls DeepSpeed's backward pass.
+        self.last = last
+
+    def forward(self, inputs: Activations) -> Activations | Tensor:
+        y, encoder_out, src_tokens = inputs
+        y = super().forward(y, encoder_out, src_tokens)
+        return y if self.last else (y, encoder_out, src_tokens)
+
+
+def project_output(embedding: Embedding, y: Tensor) -> Tensor:
+    return embedding.project(y)
+
+
+class OutputProjectionPipe(Embedding):
+    def forward(self, y: Tensor) -> Tensor:
+        return self.project(y)
+
+
+# Partitioning counts these; activation checkpointing wraps only these.
+TRANSFORMER_LAYERS = ["EncoderLayerPipe", "DecoderLayerPipe"]
+
+
+def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
+    """(reference module name, spec) for every pipeline layer, in order.
+
+    The name says where the layer's checkpoint file loads in the single-process Transformer;
+    it is None for tied uses that DeepSpeed does not save (it saves the first use only).
+    """
+    dim, dropout = cfg.embed_dim, cfg.dropout
+    if cfg.share_all_embeddings:
+        encoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
+        decoder_embed = TiedLayerSpec(
+            "embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, forward_fn=embed_decoder_inputs
+        )
+        output = TiedLayerSpec(
+            "embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, forward_fn=project_output
+        )
+    elif cfg.share_decoder_input_output_embed:
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
+        decoder_embed = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout)
+        output = TiedLayerSpec(
+            "decoder_embed", DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout, forward_fn=project_output
+        )
+    else:
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
+        decoder_embed = LayerSpec(DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout)
+        output = LayerSpec(OutputProjectionPipe, cfg.tgt_vocab_size, dim)
+
+    final_norms = build_scheme(cfg).normalize_before
+    specs: list[tuple[str | None, LayerSpec]] = [("encoder.embed_tokens", encoder_embed)]
+    specs += [(f"encoder.layers.{i}", LayerSpec(EncoderLayerPipe, cfg)) for i in range(cfg.encoder_layers)]
+    if final_norms:
+        specs.append(("encoder.layer_norm", LayerSpec(EncoderNormPipe, dim)))
+    specs.append((_saved_as("decoder.embed_tokens", decoder_embed), decoder_embed))
+    specs += [
+        (f"decoder.layers.{i}", LayerSpec(DecoderLayerPipe, cfg, last=i == cfg.decoder_layers - 1))
+        for i in range(cfg.decoder_layers)
+    ]
+    if final_norms:
+        specs.append(("decoder.layer_norm", LayerSpec(nn.LayerNorm, dim)))
+    specs.append((_saved_as("decoder.output_projection", output), output))
+    return specs
+
+
+def _saved_as(name: str, spec: LayerSpec) -> str | None:
+    return None if getattr(spec, "forward_fn", None) else name

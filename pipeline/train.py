@@ -1,0 +1,204 @@
+"""The training loop: builds the PipelineModule, runs DeepSpeed's engine, logs, checkpoints, resumes.
+
+deepspeed --num_gpus S scripts/train.py --config ds_configs/NAME.json [--override k=v ...] [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+
+from model.config import ConfigError, ModelConfig
+from model.loss import label_smoothed_cross_entropy
+from model.norms import build_scheme
+from pipeline.checkpoint import CONFIG_FILE
+from pipeline.config import RunConfig, load_config
+from pipeline.data import MicroBatches, ParallelCorpus, SyntheticTranslation
+from pipeline.hooks import ScheduleHook, StepHook
+from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="experiment JSON (DeepSpeed keys + model/data/train)")
+    parser.add_argument(
+        "--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="e.g. model.encoder_layers=24"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.save_dir")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    return parser.parse_args(argv)
+
+
+def build_corpus(cfg: RunConfig) -> ParallelCorpus:
+    return SyntheticTranslation(cfg.data.synthetic)
+
+
+def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
+    for key, size in (("src_vocab_size", corpus.src_vocab_size), ("tgt_vocab_size", corpus.tgt_vocab_size)):
+        if getattr(cfg, key) not in (None, size):
+            raise ConfigError(f"model.{key}: {getattr(cfg, key)} but the data's dictionary has {size}; remove the key")
+    return dataclasses.replace(cfg, src_vocab_size=corpus.src_vocab_size, tgt_vocab_size=corpus.tgt_vocab_size)
+
+
+def build_pipeline(cfg: RunConfig) -> PipelineModule:
+    """Each rank builds only the layers of its own stage (LayerSpecs are lazy)."""
+    module = PipelineModule(
+        layers=[spec for _, spec in layer_specs(cfg.model)],
+        num_stages=cfg.stages,
+        loss_fn=partial(label_smoothed_cross_entropy, smoothing=cfg.train.label_smoothing),
+        partition_method=cfg.partition,
+        checkpointable_layers=TRANSFORMER_LAYERS,
+        dynamic_shape=True,  # micro-batches differ in length; without it DeepSpeed truncates silently
+        seed_layers=True,  # layer i is initialized from seed + i, whatever the stage count
+        base_seed=cfg.train.seed,
+        seed_fn=lambda seed: torch.manual_seed(int(seed)),  # DeepSpeed may pass a numpy int
+    )
+    # seed_layers also reseeds every forward from a counter that a resume restarts; dropout is
+    # seeded per step by the loop instead, so turn it off once the layers are built.
+    module.seed_layers = False
+    return module
+
+
+def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
+    module = build_pipeline(cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=copy.deepcopy(cfg.deepspeed),
+    )
+    return engine
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Dropout's RNG depends only on (seed, step, rank), so a resumed run draws the same masks."""
+    return (seed * 1_000_003 + step) * 4099 + rank
+
+
+class MetricsLog:
+    """<save_dir>/metrics.jsonl, one JSON line per global step, written by global rank 0 only."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int):
+        self.path, self.enabled = path, enabled
+        if enabled and path.exists():
+            # Steps after the checkpoint we resume from will be trained again: drop their old lines.
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def init_distributed() -> None:
+    """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing."""
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def train(cfg: RunConfig, resume: bool) -> None:
+    init_distributed()
+    rank = dist.get_rank()
+
+    save_dir = Path(cfg.train.save_dir)
+    if rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    engine = build_engine(cfg)
+    if resume and (save_dir / "latest").exists():
+        engine.load_checkpoint(str(save_dir))
+        if rank == 0:
+            print(f"fathom: resumed from {save_dir} at step {engine.global_steps}", flush=True)
+    elif resume and rank == 0:
+        print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
+
+    scheme = build_scheme(cfg.model)
+    hooks: list[StepHook] = [ScheduleHook(engine.module)]
+    grid = engine.grid
+    data = MicroBatches(
+        build_corpus(cfg),
+        cfg.micro_batch_size,
+        cfg.train.seed,
+        start_step=engine.global_steps,
+        accumulation=engine.gradient_accumulation_steps(),
+        data_parallel_rank=grid.get_data_parallel_rank(),
+        data_parallel_size=grid.get_data_parallel_world_size(),
+    )
+    metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
+    started = time.perf_counter()
+    first_step = engine.global_steps
+    while engine.global_steps < cfg.train.max_steps:
+        step = engine.global_steps
+        for hook in hooks:
+            hook(step)
+        torch.manual_seed(step_seed(cfg.train.seed, step, rank))
+        tokens_before = data.target_tokens
+        lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        tick = time.perf_counter()
+        loss = engine.train_batch(data_iter=data)
+        elapsed = time.perf_counter() - tick
+        # Every stage of a data-parallel replica reads the same micro-batches: count each once.
+        tokens = torch.tensor(float(data.target_tokens - tokens_before))
+        dist.all_reduce(tokens)
+        tokens = tokens.item() / cfg.stages
+        record = {
+            "step": engine.global_steps,
+            "loss": loss.item(),
+            "grad_norm": _float(engine.get_global_grad_norm()),
+            "lr": lr,
+            "tokens": int(tokens),
+            "tokens_per_s": tokens / elapsed,
+            **scheme.step_metrics(step),
+        }
+        metrics.write(record)
+        done = engine.global_steps
+        if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
+            eta = (time.perf_counter() - started) / (done - first_step) * (cfg.train.max_steps - done)
+            extra = "".join(f" | {k} {v:.4g}" for k, v in scheme.step_metrics(step).items())
+            print(
+                f"step {done}/{cfg.train.max_steps} | loss {record['loss']:.4f}{extra} | "
+                f"{record['tokens_per_s']:.0f} tok/s | eta {eta:.0f}s",
+                flush=True,
+            )
+        if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
+            engine.save_checkpoint(str(save_dir))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.override, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        cfg.model = with_vocab(cfg.model, build_corpus(cfg))
+        save_dir = Path(cfg.train.save_dir)
+        if not args.resume and (save_dir / "latest").exists():
+            raise ConfigError(
+                f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
+                "or choose another save_dir"
+            )
+    except ConfigError as err:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"fathom: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    train(cfg, args.resume)

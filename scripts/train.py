@@ -1,0 +1,6 @@
+"""Entry point for the deepspeed launcher: deepspeed --num_gpus S scripts/train.py --config FILE."""
+
+from pipeline.train import main
+
+if __name__ == "__main__":
+    main()

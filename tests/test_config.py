@@ -1,0 +1,121 @@
+"""Every bad-config case stops before training with one line naming the key and the fix."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.train import main
+from tests.conftest import ROOT, launch
+
+DEFAULT = ROOT / "ds_configs" / "default.json"
+
+
+def write_config(tmp_path, mutate=None, text=None):
+    path = tmp_path / "exp.json"
+    if text is None:
+        raw = json.loads(DEFAULT.read_text())
+        raw["train"]["save_dir"] = str(tmp_path / "ckpt")
+        if mutate:
+            mutate(raw)
+        text = json.dumps(raw)
+    path.write_text(text)
+    return path
+
+
+def fail(capsys, args, world_size=2, monkeypatch=None):
+    if monkeypatch:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def set_key(path, value):
+    def mutate(raw):
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+
+    return mutate
+
+
+CASES = [
+    (set_key(["model", "encoder_layer"], 6), "model.encoder_layer: unknown key; did you mean 'encoder_layers'?"),
+    (set_key(["model", "embed_dim"], "64"), "model.embed_dim: expected an integer, got '64'"),
+    (set_key(["train", "max_step"], 5), "train.max_step: unknown key; did you mean 'max_steps'?"),
+    (set_key(["model", "norm_scheme"], "deep_norm"), "model.norm_scheme: unknown scheme 'deep_norm'"),
+    (set_key(["model", "branchnorm", "growth"], "cubic"), "model.branchnorm.growth: 'cubic'"),
+    (set_key(["model", "branchnorm", "TT"], 5), "model.branchnorm.TT: unknown key; did you mean 'T'?"),
+    (set_key(["data", "synthetic", "word"], 5), "data.synthetic.word: unknown key; did you mean 'words'?"),
+    (set_key(["pipeline", "stages"], 30), "pipeline.stages: 30 stages for 24 Transformer layers; use at most 24"),
+    (set_key(["zero_optimization", "stage"], 2), "zero_optimization.stage: 2 is not supported"),
+    (set_key(["train_batch_size"], 30), "train_batch_size: 30 != train_micro_batch_size_per_gpu 8 x"),
+    (set_key(["model", "embed_dim"], 66), "model.embed_dim: 66 is not divisible by model.attention_heads 4"),
+    (lambda raw: raw.pop("train"), "train: missing section"),
+    (set_key(["pipeline", "use_reentrant"], True), "pipeline.use_reentrant: reentrant activation checkpointing fails"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", CASES, ids=[c[1].split(":")[0] for c in CASES])
+def test_bad_config_is_one_line(tmp_path, capsys, monkeypatch, mutate, message):
+    err = fail(capsys, ["--config", str(write_config(tmp_path, mutate))], monkeypatch=monkeypatch)
+    assert message in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_world_size_not_divisible_by_stages(tmp_path, capsys, monkeypatch):
+    err = fail(capsys, ["--config", str(write_config(tmp_path))], world_size=3, monkeypatch=monkeypatch)
+    assert "3 processes cannot be split into 2 stages" in err
+
+
+def test_malformed_json(tmp_path, capsys, monkeypatch):
+    err = fail(capsys, ["--config", str(write_config(tmp_path, text='{"model": {,}}'))], monkeypatch=monkeypatch)
+    assert "invalid JSON at line 1 column 12" in err
+
+
+def test_bad_override(tmp_path, capsys, monkeypatch):
+    args = ["--config", str(write_config(tmp_path)), "--override", "model.encoder_layers"]
+    assert "expected dotted.key=value" in fail(capsys, args, monkeypatch=monkeypatch)
+    args = ["--config", str(write_config(tmp_path)), "--override", "model.ffn_dims=3"]
+    assert "model.ffn_dims: unknown key; did you mean 'ffn_dim'?" in fail(capsys, args, monkeypatch=monkeypatch)
+
+
+def test_existing_checkpoints_need_resume(tmp_path, capsys, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest").write_text("global_step5")
+    err = fail(capsys, ["--config", str(write_config(tmp_path))], monkeypatch=monkeypatch)
+    assert "already holds checkpoints; pass --resume" in err
+
+
+def test_overrides_take_dotted_keys_and_json_values(tmp_path):
+    cfg = load_config(
+        write_config(tmp_path),
+        ["model.encoder_layers=24", "model.branchnorm.growth=sigmoid", "train.save_dir=/x", "pipeline.stages=4"],
+        world_size=4,
+    )
+    assert cfg.model.encoder_layers == 24 and cfg.stages == 4 and cfg.train.save_dir == "/x"
+    assert cfg.model.schemes["branchnorm"] == {"T": 100, "growth": "sigmoid"}
+
+
+def test_the_launcher_exits_nonzero_on_a_bad_config(tmp_path):
+    path = write_config(tmp_path, set_key(["model", "decoder_layer"], 2))
+    result = launch(ROOT / "scripts" / "train.py", "--config", str(path))
+    assert result.returncode != 0
+    assert "fathom: error: model.decoder_layer: unknown key" in result.stderr + result.stdout
+
+
+def test_plain_python_exits_2_with_one_line(tmp_path):
+    path = write_config(tmp_path, set_key(["pipeline", "stages"], 99))
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", str(path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("fathom: error: pipeline.stages: 99 stages")
+    assert len(result.stderr.strip().splitlines()) == 1

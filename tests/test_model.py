@@ -1,0 +1,108 @@
+"""The building blocks against fairseq's definitions, and the data stream's determinism."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import EOS, NUM_SPECIAL, PAD
+from model.embedding import Embedding, positions_of, sinusoidal_table
+from model.layers import MultiheadAttention
+from model.loss import label_smoothed_cross_entropy
+from pipeline.data import MicroBatches, SyntheticConfig, SyntheticTranslation, collate
+
+
+def test_attention_equals_softmax_formula_with_padding_mask():
+    torch.manual_seed(0)
+    attn = MultiheadAttention(16, 4).eval()
+    q, kv = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+
+    def heads(x):
+        return x.view(2, -1, 4, 4).transpose(1, 2)
+
+    scores = heads(attn.q_proj(q)) @ heads(attn.k_proj(kv)).transpose(-1, -2) / math.sqrt(4)
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    out = (scores.softmax(-1) @ heads(attn.v_proj(kv))).transpose(1, 2).reshape(2, 3, 16)
+    torch.testing.assert_close(attn(q, kv, keep[:, None, None, :]), attn.out_proj(out), rtol=0, atol=1e-6)
+
+
+def test_causal_attention_ignores_the_future():
+    torch.manual_seed(0)
+    attn = MultiheadAttention(8, 2).eval()
+    x = torch.randn(1, 6, 8)
+    changed = x.clone()
+    changed[:, 4:] += 1.0
+    a, b = attn(x, x, causal=True), attn(changed, changed, causal=True)
+    torch.testing.assert_close(a[:, :4], b[:, :4])
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_sinusoidal_table_is_fairseqs():
+    table = sinusoidal_table(6, 8)
+    half = 4
+    freq = math.log(10000) / (half - 1)
+    pos, i = 3, 2
+    assert table[pos, i].item() == pytest.approx(math.sin(pos * math.exp(-i * freq)), abs=1e-6)
+    assert table[pos, half + i].item() == pytest.approx(math.cos(pos * math.exp(-i * freq)), abs=1e-6)
+    assert torch.all(table[PAD] == 0)
+
+
+def test_positions_skip_padding_on_either_side():
+    right = torch.tensor([[7, 8, 9, PAD, PAD]])
+    left = torch.tensor([[PAD, PAD, 7, 8, 9]])
+    assert positions_of(right).tolist() == [[2, 3, 4, 1, 1]]
+    assert positions_of(left).tolist() == [[1, 1, 2, 3, 4]]
+
+
+def test_embedding_scales_by_sqrt_dim_and_adds_positions():
+    emb = Embedding(10, 8).eval()
+    tokens = torch.tensor([[5, 6, PAD]])
+    expected = math.sqrt(8) * emb.weight[tokens] + sinusoidal_table(4, 8)[positions_of(tokens)]
+    torch.testing.assert_close(emb.embed(tokens), expected)
+    assert torch.all(emb.weight[PAD] == 0)
+
+
+def test_label_smoothing_is_fairseqs_and_ignores_padding():
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 3, 7), torch.tensor([[4, 5, PAD], [6, 2, 3]])
+    lprobs = logits.log_softmax(-1)
+    keep = target.ne(PAD)
+    nll = -lprobs.gather(-1, target[..., None]).squeeze(-1)[keep]
+    smooth = -lprobs.sum(-1)[keep]
+    eps, eps_i = 0.1, 0.1 / 6
+    expected = ((1 - eps - eps_i) * nll + eps_i * smooth).mean()
+    assert label_smoothed_cross_entropy(logits, target, 0.1).item() == pytest.approx(expected.item(), abs=1e-6)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD)
+    assert label_smoothed_cross_entropy(logits, target, 0.0).item() == pytest.approx(ce.item(), abs=1e-6)
+
+
+def test_synthetic_target_is_the_reversed_cipher():
+    corpus = SyntheticTranslation(SyntheticConfig(words=10, sentences=50))
+    src, tgt = corpus.pair(3)
+    assert tgt.tolist() == [corpus.cipher[w - NUM_SPECIAL].item() for w in reversed(src.tolist())]
+    assert corpus.src_vocab_size == NUM_SPECIAL + 10
+
+
+def test_collate_uses_fairseqs_layout():
+    (src, prev), target = collate(
+        [(torch.tensor([5, 6]), torch.tensor([7, 8, 9])), (torch.tensor([5]), torch.tensor([7]))]
+    )
+    assert src.tolist() == [[5, 6, EOS], [5, EOS, PAD]]
+    assert target.tolist() == [[7, 8, 9, EOS], [7, EOS, PAD, PAD]]
+    assert prev.tolist() == [[EOS, 7, 8, 9], [EOS, 7, PAD, PAD]]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_micro_batches_resume_at_any_step(ranks):
+    corpus = SyntheticTranslation(SyntheticConfig(sentences=100))
+    for rank in range(ranks):
+        stream = MicroBatches(corpus, 8, seed=5, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks)
+        uninterrupted = [next(stream) for _ in range(3 * 7)]  # 7 steps: crosses the epoch of 12 batches
+        resumed = MicroBatches(
+            corpus, 8, seed=5, start_step=4, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks
+        )
+        for expected in uninterrupted[12:]:
+            got = next(resumed)
+            assert torch.equal(got[0][0], expected[0][0]) and torch.equal(got[1], expected[1])

@@ -1,0 +1,131 @@
+"""Each norm scheme against its paper's formulas."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import SCHEMES, ModelConfig
+from model.layers import DecoderLayer, EncoderLayer
+from model.norms import branchnorm_alpha, deepnorm_constants
+from model.transformer import Transformer
+from pipeline.hooks import ScheduleHook
+
+
+def config(scheme: str, **kw) -> ModelConfig:
+    base = dict(encoder_layers=3, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0)
+    base.update(kw)
+    return ModelConfig(norm_scheme=scheme, src_vocab_size=30, tgt_vocab_size=30, **base)
+
+
+# Hand-computed from the DeepNet paper's encoder-decoder table:
+# encoder alpha = 0.81 (N^4 M)^(1/16), beta = 0.87 (N^4 M)^(-1/16); decoder alpha = (3M)^(1/4), beta = (12M)^(-1/4).
+@pytest.mark.parametrize(
+    "n, m, enc_alpha, enc_beta, dec_alpha, dec_beta",
+    [
+        (6, 6, 1.41794, 0.49699, 2.05977, 0.34329),
+        (18, 18, 1.99875, 0.35257, 2.71081, 0.26085),
+        (100, 100, 3.41574, 0.20631, 4.16179, 0.16990),
+        (60, 12, 2.63313, 0.26763, 2.44949, 0.28868),
+    ],
+)
+def test_deepnorm_constants(n, m, enc_alpha, enc_beta, dec_alpha, dec_beta):
+    assert deepnorm_constants(n, m, "encoder") == pytest.approx((enc_alpha, enc_beta), abs=1e-5)
+    assert deepnorm_constants(n, m, "decoder") == pytest.approx((dec_alpha, dec_beta), abs=1e-5)
+
+
+def test_deepnorm_beta_scales_exactly_v_out_fc1_fc2():
+    torch.manual_seed(0)
+    cfg = config("deepnorm", encoder_layers=100, decoder_layers=100, embed_dim=256, ffn_dim=1024, attention_heads=4)
+    layer = DecoderLayer(cfg)
+    _, beta = deepnorm_constants(100, 100, "decoder")
+
+    def xavier_std(w):
+        return math.sqrt(2.0 / sum(w.shape))
+
+    for name, param in layer.named_parameters():
+        if not name.endswith("weight") or param.dim() != 2:
+            continue
+        leaf = name.split(".")[-2]
+        expected = xavier_std(param) * (beta if leaf in ("v_proj", "out_proj", "fc1", "fc2") else 1.0)
+        assert param.std().item() == pytest.approx(expected, rel=0.05), name
+    assert torch.equal(layer.self_attn_layer_norm.weight, torch.ones(256))
+
+
+def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a: float = 1.0) -> torch.Tensor:
+    """The paper formula for each scheme, written out over the layer's own submodules."""
+
+    def attn(h):
+        return layer.self_attn(h, h)
+
+    def ffn(h):
+        return layer.fc2(F.relu(layer.fc1(h)))
+
+    ln1, ln2 = layer.self_attn_layer_norm, layer.final_layer_norm
+    if residual == "pre":
+        h = x + attn(ln1(x))
+        return h + ffn(ln2(h))
+    if residual == "post_alpha":  # DeepNorm: LN(alpha * x + F(x))
+        h = ln1(a * x + attn(x))
+        return ln2(a * h + ffn(h))
+    h = ln1(x + a * attn(x))  # BranchNorm: LN(x + alpha_t F(x)); Post-LN is alpha_t = 1
+    return ln2(h + a * ffn(h))
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_encoder_layer_follows_formula(scheme):
+    torch.manual_seed(0)
+    cfg = config(scheme, schemes={"branchnorm": {"T": 8}})
+    layer = EncoderLayer(cfg).eval()
+    ScheduleHook(layer)(2)
+    x = torch.randn(2, 5, 32)
+    src = torch.randint(4, 30, (2, 5))
+    if scheme == "pre_ln":
+        expected = manual_encoder_layer(layer, x, "pre")
+    elif scheme == "deepnorm":
+        expected = manual_encoder_layer(layer, x, "post_alpha", deepnorm_constants(3, 2, "encoder")[0])
+    elif scheme == "branchnorm":
+        expected = manual_encoder_layer(layer, x, "post", 0.25)
+    else:
+        expected = manual_encoder_layer(layer, x, "post")
+    torch.testing.assert_close(layer(x, src), expected, rtol=0, atol=1e-6)
+
+
+def test_branchnorm_at_alpha_one_equals_post_ln():
+    torch.manual_seed(0)
+    branch = Transformer(config("branchnorm", schemes={"branchnorm": {"T": 10}})).eval()
+    post = Transformer(config("post_ln")).eval()
+    post.load_state_dict(branch.state_dict())
+    src, prev = torch.randint(4, 30, (3, 7)), torch.randint(4, 30, (3, 6))
+    ScheduleHook(branch)(10)
+    torch.testing.assert_close(branch(src, prev), post(src, prev), rtol=0, atol=0)
+    ScheduleHook(branch)(5)
+    assert not torch.allclose(branch(src, prev), post(src, prev))
+
+
+@pytest.mark.parametrize(
+    "growth, values",
+    [
+        ("linear", [0.0, 0.25, 0.5, 1.0, 1.0]),
+        ("exp", [0.0, 0.01689, 0.07586, 1.0, 1.0]),
+        ("sigmoid", [0.0, 0.07010, 0.5, 1.0, 1.0]),
+    ],
+)
+def test_branchnorm_alpha_growth(growth, values):
+    steps = [0, 1000, 2000, 4000, 9000]
+    assert [branchnorm_alpha(s, 4000, growth) for s in steps] == pytest.approx(values, abs=1e-5)
+    curve = [branchnorm_alpha(s, 4000, growth) for s in range(0, 4001, 50)]
+    assert curve == sorted(curve)
+
+
+def test_branchnorm_default_is_the_papers():
+    scheme = SCHEMES["branchnorm"](config("branchnorm"))
+    assert scheme.options.T == 4000 and scheme.options.growth == "linear"
+    assert scheme.alpha(400) == pytest.approx(0.1)
+
+
+def test_pre_ln_has_final_layer_norms_and_post_ln_not():
+    assert Transformer(config("pre_ln")).encoder.layer_norm is not None
+    names = Transformer(config("post_ln")).state_dict()
+    assert not any(k.startswith(("encoder.layer_norm", "decoder.layer_norm")) for k in names)

@@ -1,0 +1,41 @@
+"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus 2`: one SGD step per case.
+
+For each case it saves the pipeline's weights before and after one optimizer step, and the
+engine's loss, so the test can replay the step in the single-process model.
+Usage: parity.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pipeline.checkpoint import CONFIG_FILE
+from pipeline.config import load_config
+from pipeline.data import MicroBatches
+from pipeline.hooks import ScheduleHook
+from pipeline.train import build_corpus, build_engine, init_distributed, with_vocab
+
+STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
+
+init_distributed()
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+config_path, out = args[0], Path(args[1])
+for case in args[2:]:
+    name, _, overrides = case.partition("=")
+    save_dir = out / name
+    cfg = load_config(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
+    corpus = build_corpus(cfg)
+    cfg.model = with_vocab(cfg.model, corpus)
+    engine = build_engine(cfg)
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    ScheduleHook(engine.module)(STEP)
+    engine.save_checkpoint(str(save_dir), tag="before")
+    data = MicroBatches(corpus, cfg.micro_batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
+    loss = engine.train_batch(data_iter=data)
+    engine.save_checkpoint(str(save_dir), tag="after")
+    layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
+    (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))

@@ -117,10 +117,39 @@ def init_distributed() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def train(cfg: RunConfig, resume: bool) -> None:
+def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: int) -> dict[str, Any]:
+    """One optimizer step over `accumulation` micro-batches; returns its metrics."""
+    tokens_before = data.target_tokens
+    lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step applies
+    tick = time.perf_counter()
+    loss = engine.train_batch(data_iter=data)
+    elapsed = time.perf_counter() - tick
+    # Every stage of a data-parallel replica reads the same micro-batches: count each once.
+    tokens = torch.tensor(float(data.target_tokens - tokens_before))
+    dist.all_reduce(tokens)
+    tokens = tokens.item() / stages
+    return {
+        "step": engine.global_steps,
+        "loss": loss.item(),
+        "grad_norm": _float(engine.get_global_grad_norm()),
+        "lr": lr,
+        "tokens": int(tokens),
+        "tokens_per_s": tokens / elapsed,
+    }
+
+
+def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: float) -> str:
+    extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha",) if k in record)
+    eta = seconds_per_step * (max_steps - record["step"])
+    return (
+        f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{extra} | "
+        f"{record['tokens_per_s']:.0f} tok/s | eta {eta:.0f}s"
+    )
+
+
+def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     init_distributed()
     rank = dist.get_rank()
-
     save_dir = Path(cfg.train.save_dir)
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
@@ -136,52 +165,28 @@ def train(cfg: RunConfig, resume: bool) -> None:
 
     scheme = build_scheme(cfg.model)
     hooks: list[StepHook] = [ScheduleHook(engine.module)]
-    grid = engine.grid
     data = MicroBatches(
-        build_corpus(cfg),
+        corpus,
         cfg.micro_batch_size,
         cfg.train.seed,
         start_step=engine.global_steps,
         accumulation=engine.gradient_accumulation_steps(),
-        data_parallel_rank=grid.get_data_parallel_rank(),
-        data_parallel_size=grid.get_data_parallel_world_size(),
+        data_parallel_rank=engine.grid.get_data_parallel_rank(),
+        data_parallel_size=engine.grid.get_data_parallel_world_size(),
     )
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
-    started = time.perf_counter()
-    first_step = engine.global_steps
+    started, first_step = time.perf_counter(), engine.global_steps
     while engine.global_steps < cfg.train.max_steps:
         step = engine.global_steps
         for hook in hooks:
             hook(step)
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-        tokens_before = data.target_tokens
-        lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        tick = time.perf_counter()
-        loss = engine.train_batch(data_iter=data)
-        elapsed = time.perf_counter() - tick
-        # Every stage of a data-parallel replica reads the same micro-batches: count each once.
-        tokens = torch.tensor(float(data.target_tokens - tokens_before))
-        dist.all_reduce(tokens)
-        tokens = tokens.item() / cfg.stages
-        record = {
-            "step": engine.global_steps,
-            "loss": loss.item(),
-            "grad_norm": _float(engine.get_global_grad_norm()),
-            "lr": lr,
-            "tokens": int(tokens),
-            "tokens_per_s": tokens / elapsed,
-            **scheme.step_metrics(step),
-        }
+        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(step)}
         metrics.write(record)
-        done = engine.global_steps
+        done = record["step"]
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
-            eta = (time.perf_counter() - started) / (done - first_step) * (cfg.train.max_steps - done)
-            extra = "".join(f" | {k} {v:.4g}" for k, v in scheme.step_metrics(step).items())
-            print(
-                f"step {done}/{cfg.train.max_steps} | loss {record['loss']:.4f}{extra} | "
-                f"{record['tokens_per_s']:.0f} tok/s | eta {eta:.0f}s",
-                flush=True,
-            )
+            seconds_per_step = (time.perf_counter() - started) / (done - first_step)
+            print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             engine.save_checkpoint(str(save_dir))
 
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.override, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        cfg.model = with_vocab(cfg.model, build_corpus(cfg))
+        corpus = build_corpus(cfg)
+        cfg.model = with_vocab(cfg.model, corpus)
         save_dir = Path(cfg.train.save_dir)
         if not args.resume and (save_dir / "latest").exists():
             raise ConfigError(
@@ -201,4 +207,4 @@ def main(argv: list[str] | None = None) -> None:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"fathom: error: {err}", file=sys.stderr)
         sys.exit(2)
-    train(cfg, args.resume)
+    train(cfg, corpus, args.resume)

@@ -38,15 +38,19 @@ class Decoder(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.embed_dim) if build_scheme(cfg).normalize_before else None
         self.output_projection = output_projection
 
-    def forward(
+    def features(
         self, prev_output_tokens: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor
     ) -> torch.Tensor:
+        """Hidden states before the output projection (search projects only the last position)."""
         x = self.embed_tokens.embed(prev_output_tokens)
         for layer in self.layers:
             x = layer(x, encoder_out, src_tokens)
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-        return self.output_projection.project(x)
+        return x if self.layer_norm is None else self.layer_norm(x)
+
+    def forward(
+        self, prev_output_tokens: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor
+    ) -> torch.Tensor:
+        return self.output_projection.project(self.features(prev_output_tokens, encoder_out, src_tokens))
 
 
 def build_embeddings(cfg: ModelConfig) -> tuple[Embedding, Embedding, Embedding]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig, parse_section
-from pipeline.data import SyntheticConfig
+from pipeline.data import BatchSize, SyntheticConfig
 
 OUR_SECTIONS = ("model", "data", "train")
 DEFAULT_PARTITION = "type:(Encoder|Decoder)LayerPipe"
@@ -22,7 +22,17 @@ DEFAULT_PARTITION = "type:(Encoder|Decoder)LayerPipe"
 
 @dataclass
 class DataConfig:
+    # A directory written by scripts/prepare_data.py; None trains on the built-in synthetic task.
+    path: str | None = None
+    # Token budget per micro-batch (pairs grouped by length); None: train_micro_batch_size_per_gpu pairs.
+    max_tokens: int | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"data.max_tokens: must be positive, got {self.max_tokens}")
+        if self.path is not None and not (Path(self.path) / "meta.json").exists():
+            raise ConfigError(f"data.path: {self.path} is not a prepared data directory; run scripts/prepare_data.py")
 
 
 @dataclass
@@ -32,12 +42,15 @@ class TrainConfig:
     save_interval: int = 500
     seed: int = 1
     log_interval: int = 10
+    # Validation loss every this many steps (0: never); the best checkpoint is kept under tag "best".
+    valid_interval: int = 0
     label_smoothing: float = 0.1
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "save_interval", "log_interval"):
-            if getattr(self, key) < (0 if key == "max_steps" else 1):
-                raise ConfigError(f"train.{key}: must be positive, got {getattr(self, key)}")
+        for key in ("max_steps", "save_interval", "log_interval", "valid_interval"):
+            least = 1 if key in ("save_interval", "log_interval") else 0
+            if getattr(self, key) < least:
+                raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
 
@@ -58,8 +71,10 @@ class RunConfig:
         return self.deepspeed["pipeline"].get("partition", DEFAULT_PARTITION)
 
     @property
-    def micro_batch_size(self) -> int:
-        return self.deepspeed["train_micro_batch_size_per_gpu"]
+    def batch_size(self) -> BatchSize:
+        if self.data.max_tokens is not None:
+            return BatchSize(max_tokens=self.data.max_tokens)
+        return BatchSize(sentences=self.deepspeed["train_micro_batch_size_per_gpu"])
 
     def to_dict(self) -> dict[str, Any]:
         model = asdict(self.model)

@@ -1,7 +1,8 @@
-"""Parallel data for the pipeline engine: the built-in synthetic task and resumable micro-batches.
+"""Feeding the pipeline engine: corpora, length-grouped token-budget batches, resumable micro-batch streams.
 
-A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eos) and the
-two vocabulary sizes, so a binarized real corpus plugs in beside the synthetic one.
+A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eos), `lengths()`
+and the two vocabulary sizes: the built-in synthetic task here, or a binarized real corpus
+(pipeline/corpus.py).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from model.config import EOS, NUM_SPECIAL, PAD
+from model.config import EOS, NUM_SPECIAL, PAD, ConfigError
 
 MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -25,11 +27,14 @@ class ParallelCorpus(Protocol):
 
     def pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def lengths(self) -> np.ndarray: ...
+
 
 @dataclass
 class SyntheticConfig:
     words: int = 16
     sentences: int = 20000
+    valid_sentences: int = 500
     min_len: int = 3
     max_len: int = 6
     seed: int = 1
@@ -39,15 +44,18 @@ class SyntheticTranslation:
     """A made-up language pair: the target is the source reversed, each word mapped by a fixed cipher.
 
     Solving it needs both reordering (attention across the sentence) and a lexicon, like
-    translation, yet it is generated in milliseconds and needs no files.
+    translation, yet it is generated in milliseconds and needs no files. The valid split holds
+    further sentences of the same language pair.
     """
 
-    def __init__(self, cfg: SyntheticConfig):
+    def __init__(self, cfg: SyntheticConfig, split: str = "train"):
         gen = torch.Generator().manual_seed(cfg.seed)
         self.cipher = torch.randperm(cfg.words, generator=gen) + NUM_SPECIAL
         self.src_vocab_size = self.tgt_vocab_size = NUM_SPECIAL + cfg.words
-        lengths = torch.randint(cfg.min_len, cfg.max_len + 1, (cfg.sentences,), generator=gen)
-        self.sources = [torch.randint(0, cfg.words, (int(n),), generator=gen) for n in lengths]
+        total = cfg.sentences + cfg.valid_sentences
+        lengths = torch.randint(cfg.min_len, cfg.max_len + 1, (total,), generator=gen)
+        sources = [torch.randint(0, cfg.words, (int(n),), generator=gen) for n in lengths]
+        self.sources = sources[: cfg.sentences] if split == "train" else sources[cfg.sentences :]
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -55,6 +63,9 @@ class SyntheticTranslation:
     def pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         words = self.sources[index]
         return words + NUM_SPECIAL, self.cipher[words.flip(0)]
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(s) + 1 for s in self.sources])
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -70,44 +81,90 @@ def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MicroBatch:
     return (src, prev_output_tokens), target
 
 
+@dataclass(frozen=True)
+class BatchSize:
+    """A micro-batch holds at most `sentences` pairs and, if set, at most `max_tokens` padded tokens
+    (longest pair x number of pairs, counting the longer side with eos)."""
+
+    sentences: int | None = None
+    max_tokens: int | None = None
+
+    def pack(self, order: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+        batches, start, longest = [], 0, 0
+        for i, index in enumerate(order):
+            longest_with = max(longest, lengths[index])
+            size = i - start + 1
+            full = (self.sentences is not None and size > self.sentences) or (
+                self.max_tokens is not None and longest_with * size > self.max_tokens
+            )
+            if full and i > start:
+                batches.append(order[start:i])
+                start, longest_with = i, lengths[index]
+            longest = longest_with
+        if start < len(order):
+            batches.append(order[start:])
+        return batches
+
+
+def epoch_batches(lengths: np.ndarray, size: BatchSize, seed: int, epoch: int) -> list[np.ndarray]:
+    """fairseq's recipe: shuffle, group by length (token budgets only), pack, shuffle the batches."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    if size.max_tokens is not None:
+        order = order[np.argsort(lengths[order], kind="stable")]
+    batches = size.pack(order, lengths)
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def eval_batches(corpus: ParallelCorpus, size: BatchSize) -> list[MicroBatch]:
+    """Every pair once, grouped by length, in a fixed order."""
+    lengths = corpus.lengths()
+    order = np.argsort(lengths, kind="stable")
+    return [collate([corpus.pair(int(i)) for i in batch]) for batch in size.pack(order, lengths)]
+
+
 class MicroBatches:
     """Micro-batches in a fixed order determined by (seed, epoch): step s always sees the same data.
 
     Global micro-batch g = (step * accumulation + k) * data_parallel_size + data_parallel_rank,
-    so a resumed run continues exactly where the interrupted one stopped.
+    so a resumed run continues exactly where the interrupted one stopped, mid-epoch included.
     """
 
     def __init__(
         self,
         corpus: ParallelCorpus,
-        batch_size: int,
+        size: BatchSize,
         seed: int,
         start_step: int = 0,
         accumulation: int = 1,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
     ):
-        if len(corpus) < batch_size:
-            raise ValueError(f"the corpus has {len(corpus)} pairs, fewer than one micro-batch of {batch_size}")
-        self.corpus, self.batch_size, self.seed = corpus, batch_size, seed
-        self.batches_per_epoch = len(corpus) // batch_size
-        self.rank, self.world = data_parallel_rank, data_parallel_size
+        self.corpus, self.size, self.seed = corpus, size, seed
+        self.lengths = corpus.lengths()
+        if size.max_tokens is not None and self.lengths.max() > size.max_tokens:
+            raise ConfigError(
+                f"data.max_tokens: {size.max_tokens} is below the longest training pair ({self.lengths.max()} "
+                "tokens); raise it, or prepare the data with a smaller --max-len"
+            )
+        self.world = data_parallel_size
         self.next = start_step * accumulation * data_parallel_size + data_parallel_rank
-        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+        self.epoch, self.epoch_start = 0, 0
+        self.plan = epoch_batches(self.lengths, size, seed, 0)
         self.target_tokens = 0  # real (non-pad) target tokens handed out so far, for throughput
 
-    def _indices(self, global_index: int) -> list[int]:
-        epoch, position = divmod(global_index, self.batches_per_epoch)
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._order = epoch, torch.randperm(len(self.corpus), generator=gen)
-        return self._order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
+    def _indices(self, global_index: int) -> np.ndarray:
+        while global_index >= self.epoch_start + len(self.plan):
+            self.epoch_start += len(self.plan)
+            self.epoch += 1
+            self.plan = epoch_batches(self.lengths, self.size, self.seed, self.epoch)
+        return self.plan[global_index - self.epoch_start]
 
     def __iter__(self) -> Iterator[MicroBatch]:
         return self
 
     def __next__(self) -> MicroBatch:
-        batch = collate([self.corpus.pair(i) for i in self._indices(self.next)])
+        batch = collate([self.corpus.pair(int(i)) for i in self._indices(self.next)])
         self.next += self.world
         self.target_tokens += int(batch[1].ne(PAD).sum())
         return batch

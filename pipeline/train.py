@@ -26,7 +26,8 @@ from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import RunConfig, load_config
-from pipeline.data import MicroBatches, ParallelCorpus, SyntheticTranslation
+from pipeline.corpus import BinarizedCorpus
+from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 
@@ -44,8 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_corpus(cfg: RunConfig) -> ParallelCorpus:
-    return SyntheticTranslation(cfg.data.synthetic)
+def build_corpus(cfg: RunConfig, split: str = "train") -> ParallelCorpus:
+    if cfg.data.path is None:
+        return SyntheticTranslation(cfg.data.synthetic, split)
+    return BinarizedCorpus(cfg.data.path, split)
 
 
 def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
@@ -138,6 +141,16 @@ def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: in
     }
 
 
+def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> float:
+    """Mean loss over the validation micro-batches, each data-parallel replica taking a share."""
+    grid = engine.grid
+    mine = batches[grid.get_data_parallel_rank() :: grid.get_data_parallel_world_size()]
+    loss = engine.eval_batch(iter(mine), num_micro_batches=len(mine)) if mine else torch.tensor(0.0)
+    total = torch.tensor([loss.item() * len(mine), float(len(mine))])
+    dist.all_reduce(total, group=grid.get_data_parallel_group())
+    return (total[0] / total[1]).item()
+
+
 def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: float) -> str:
     extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha",) if k in record)
     eta = seconds_per_step * (max_steps - record["step"])
@@ -156,8 +169,10 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
         (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     engine = build_engine(cfg)
+    best = float("inf")
     if resume and (save_dir / "latest").exists():
-        engine.load_checkpoint(str(save_dir))
+        _, client_state = engine.load_checkpoint(str(save_dir))
+        best = client_state.get("best_valid_loss", best)
         if rank == 0:
             print(f"fathom: resumed from {save_dir} at step {engine.global_steps}", flush=True)
     elif resume and rank == 0:
@@ -167,13 +182,14 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     hooks: list[StepHook] = [ScheduleHook(engine.module)]
     data = MicroBatches(
         corpus,
-        cfg.micro_batch_size,
+        cfg.batch_size,
         cfg.train.seed,
         start_step=engine.global_steps,
         accumulation=engine.gradient_accumulation_steps(),
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
         data_parallel_size=engine.grid.get_data_parallel_world_size(),
     )
+    valid = eval_batches(build_corpus(cfg, "valid"), cfg.batch_size) if cfg.train.valid_interval else []
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     started, first_step = time.perf_counter(), engine.global_steps
     while engine.global_steps < cfg.train.max_steps:
@@ -187,8 +203,18 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
+        if valid and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
+            valid_loss = validate(engine, valid)
+            if valid_loss < best:
+                best = valid_loss
+                engine.save_checkpoint(
+                    str(save_dir), tag="best", client_state={"best_valid_loss": best}, save_latest=False
+                )
+            metrics.write({"step": done, "valid_loss": valid_loss, "best_valid_loss": best})
+            if rank == 0:
+                print(f"step {done} | valid loss {valid_loss:.4f} | best {best:.4f}", flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
-            engine.save_checkpoint(str(save_dir))
+            engine.save_checkpoint(str(save_dir), client_state={"best_valid_loss": best})
 
 
 def main(argv: list[str] | None = None) -> None:

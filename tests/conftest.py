@@ -33,3 +33,32 @@ def launch(script: str | Path, *args: str, processes: int = 2, timeout: int = 60
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+
+
+def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:
+    """The first `lines` pairs of a Multi30k split as plain files; returns the prefix."""
+    import gzip
+
+    for lang in langs:
+        with gzip.open(MULTI30K / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
+            text = [next(f) for _ in range(lines)]
+        (out / f"{name}.{lang}").write_text("".join(text), encoding="utf-8")
+    return str(out / name)
+
+
+@pytest.fixture(scope="session")
+def multi30k_slice(tmp_path_factory) -> Path:
+    """A prepared data directory from a few hundred real Multi30k pairs."""
+    from pipeline.prepare import main as prepare_main
+
+    raw = tmp_path_factory.mktemp("raw")
+    out = tmp_path_factory.mktemp("prepared") / "m30k"
+    prefixes = [write_slice(raw, "train", 400), write_slice(raw, "val", 60), write_slice(raw, "test_2016_flickr", 50)]
+    prepare_main(
+        ["--src", "de", "--tgt", "en", "--train", prefixes[0], "--valid", prefixes[1], "--test", prefixes[2]]
+        + ["--vocab-size", "400", "--out", str(out)]
+    )
+    return out

@@ -10,7 +10,7 @@ from model.config import EOS, NUM_SPECIAL, PAD
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention
 from model.loss import label_smoothed_cross_entropy
-from pipeline.data import MicroBatches, SyntheticConfig, SyntheticTranslation, collate
+from pipeline.data import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 
 
 def test_attention_equals_softmax_formula_with_padding_mask():
@@ -98,10 +98,18 @@ def test_collate_uses_fairseqs_layout():
 def test_micro_batches_resume_at_any_step(ranks):
     corpus = SyntheticTranslation(SyntheticConfig(sentences=100))
     for rank in range(ranks):
-        stream = MicroBatches(corpus, 8, seed=5, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks)
+        stream = MicroBatches(
+            corpus, BatchSize(sentences=8), seed=5, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks
+        )
         uninterrupted = [next(stream) for _ in range(3 * 7)]  # 7 steps: crosses the epoch of 12 batches
         resumed = MicroBatches(
-            corpus, 8, seed=5, start_step=4, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks
+            corpus,
+            BatchSize(sentences=8),
+            seed=5,
+            start_step=4,
+            accumulation=3,
+            data_parallel_rank=rank,
+            data_parallel_size=ranks,
         )
         for expected in uninterrupted[12:]:
             got = next(resumed)

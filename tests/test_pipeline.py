@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -53,18 +55,22 @@ CASES = {
 }
 
 
+REAL_DATA = "model.norm_scheme=branchnorm,data.path={},data.max_tokens=120"
+
+
 @pytest.fixture(scope="module")
-def parity_runs(tmp_path_factory):
+def parity_runs(tmp_path_factory, multi30k_slice):
     out = tmp_path_factory.mktemp("parity")
     config = out / "parity.json"
     config.write_text(json.dumps(PARITY_CONFIG))
+    CASES["branchnorm_multi30k_token_batches"] = REAL_DATA.format(multi30k_slice)
     cases = [f"{name}={overrides}" for name, overrides in CASES.items()]
     result = launch(ROOT / "tests" / "workers" / "parity.py", str(config), str(out), *cases)
     assert result.returncode == 0, "the parity worker failed (its output is above)"
     return config, out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "branchnorm_multi30k_token_batches"])
 def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
     config, out = parity_runs
     cfg = load_config(config, [f"train.save_dir={out / case}", *CASES[case].split(",")], world_size=2)
@@ -72,7 +78,7 @@ def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
     after = load_reference(out / case, "after")
     ScheduleHook(model)(2)
 
-    data = MicroBatches(build_corpus(cfg), cfg.micro_batch_size, cfg.train.seed)
+    data = MicroBatches(build_corpus(cfg), cfg.batch_size, cfg.train.seed)
     accumulation = PARITY_CONFIG["gradient_accumulation_steps"]
     losses = []
     for _ in range(accumulation):
@@ -150,3 +156,28 @@ def test_bf16_pipeline_trains(tmp_path):
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 30 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
+    """Token batches through 2 stages, validation between training steps, best checkpoint, beam search."""
+    save = tmp_path / "run"
+    overrides = [
+        f"data.path={multi30k_slice}", "data.max_tokens=400", "model.embed_dim=32", "model.ffn_dim=64",
+        "model.encoder_layers=2", "model.decoder_layers=2", "model.share_all_embeddings=true",
+        "train.max_steps=8", "train.valid_interval=4", "train.save_interval=4",
+    ]  # fmt: skip
+    assert train(save, *overrides).returncode == 0
+    valid = [r for r in metrics(save) if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [4, 8] and all(math.isfinite(r["valid_loss"]) for r in valid)
+    assert valid[-1]["best_valid_loss"] == min(r["valid_loss"] for r in valid)
+    assert (save / "best").is_dir() and (save / "latest").read_text().strip() == "global_step8"
+
+    output = tmp_path / "hyps.txt"
+    args = ["--checkpoint", str(save), "--tag", "best", "--data", str(multi30k_slice), "--subset", "test"]
+    args += ["--beam", "2", "--max-len-b", "8", "--output", str(output)]
+    result = subprocess.run([sys.executable, "scripts/generate.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-3].startswith("BLEU = ") and lines[-2].startswith("chrF2 = ")
+    assert lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    assert len(output.read_text().splitlines()) == 50

@@ -34,7 +34,7 @@ for case in args[2:]:
         (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
     ScheduleHook(engine.module)(STEP)
     engine.save_checkpoint(str(save_dir), tag="before")
-    data = MicroBatches(corpus, cfg.micro_batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
+    data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
     loss = engine.train_batch(data_iter=data)
     engine.save_checkpoint(str(save_dir), tag="after")
     layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}

@@ -1,0 +1,220 @@
+"""Raw parallel text -> SentencePiece model, fairseq dictionaries and a binarized, memory-mapped dataset.
+
+    python scripts/prepare_data.py --src de --tgt en --train PREFIX --valid PREFIX [--test PREFIX ...] \\
+        --vocab-size V --out DIR
+
+PREFIX.de and PREFIX.en are raw text, plain or .gz, one sentence per line. Everything is written to
+a temporary directory beside DIR and renamed into place only when complete, so a failure never
+leaves a half-written DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+from tqdm import tqdm
+
+from model.config import ConfigError
+from pipeline.corpus import Dictionary, write_indexed
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--src", required=True, help="source language suffix, e.g. de")
+    parser.add_argument("--tgt", required=True, help="target language suffix, e.g. en")
+    parser.add_argument("--train", required=True, metavar="PREFIX")
+    parser.add_argument("--valid", required=True, metavar="PREFIX")
+    parser.add_argument("--test", nargs="*", default=[], metavar="PREFIX", help="splits test, test1, test2, ...")
+    parser.add_argument("--vocab-size", type=int, required=True, help="SentencePiece vocabulary size")
+    parser.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
+    parser.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    parser.add_argument("--max-len", type=int, default=256, help="drop training pairs longer (in pieces)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    return parser.parse_args(argv)
+
+
+def find_file(prefix: str, lang: str) -> Path:
+    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz)")
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines as UTF-8 text; a byte sequence that is not UTF-8 is an error naming file and line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    lines = []
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                lines.append(raw.decode("utf-8").rstrip("\r\n"))
+            except UnicodeDecodeError as err:
+                raise ConfigError(
+                    f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode the file as UTF-8"
+                ) from None
+    return lines
+
+
+@dataclass
+class Split:
+    name: str
+    src: list[str]
+    tgt: list[str]
+    dropped_empty: int = 0
+    dropped_long: int = 0
+    ids: dict[str, list[list[int]]] = field(default_factory=dict)
+
+
+def read_split(name: str, prefix: str, src: str, tgt: str) -> Split:
+    src_path, tgt_path = find_file(prefix, src), find_file(prefix, tgt)
+    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+    if len(src_lines) != len(tgt_lines):
+        raise ConfigError(
+            f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; the sides must be line-aligned"
+        )
+    keep = [i for i, (s, t) in enumerate(zip(src_lines, tgt_lines, strict=True)) if s.strip() and t.strip()]
+    if not keep:
+        raise ConfigError(f"{prefix}: no pair with text on both sides")
+    return Split(
+        name, [src_lines[i] for i in keep], [tgt_lines[i] for i in keep], dropped_empty=len(src_lines) - len(keep)
+    )
+
+
+def train_sentencepiece(lines: list[str], prefix: Path, vocab_size: int, model_type: str) -> spm.SentencePieceProcessor:
+    # Our dictionary adds <s>, <pad>, </s> itself; SentencePiece keeps only its <unk> (id 0).
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        bos_id=-1,
+        eos_id=-1,
+        minloglevel=2,
+    )
+    return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
+def encode(processor: spm.SentencePieceProcessor, lines: list[str], desc: str) -> list[list[str]]:
+    batch = 2000
+    pieces: list[list[str]] = []
+    for start in tqdm(range(0, len(lines), batch), desc=desc, unit_scale=batch, unit="lines", leave=False):
+        pieces.extend(processor.encode(lines[start : start + batch], out_type=str))
+    return pieces
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise ConfigError(f"{out}: already exists; pass --force to replace it")
+    if args.vocab_size < 8:
+        raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
+    prefixes = {"train": args.train, "valid": args.valid}
+    prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
+    splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
+    train = splits[0]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        print(f"training SentencePiece ({args.model_type}, {args.vocab_size} pieces) on {len(train.src)} pairs")
+        try:
+            if args.separate_vocab:
+                processors = {
+                    args.src: train_sentencepiece(train.src, tmp / f"spm.{args.src}", args.vocab_size, args.model_type),
+                    args.tgt: train_sentencepiece(train.tgt, tmp / f"spm.{args.tgt}", args.vocab_size, args.model_type),
+                }
+            else:
+                joint = train_sentencepiece(train.src + train.tgt, tmp / "spm", args.vocab_size, args.model_type)
+                processors = {args.src: joint, args.tgt: joint}
+        except RuntimeError as err:
+            raise ConfigError(f"SentencePiece: {str(err).splitlines()[-1]}; try a smaller --vocab-size") from None
+
+        pieces = {
+            (split.name, lang): encode(processors[lang], getattr(split, side), f"{split.name}.{lang}")
+            for split in splits
+            for side, lang in (("src", args.src), ("tgt", args.tgt))
+        }
+        # Training pairs over --max-len pieces are dropped; valid and test keep every line so scores
+        # stay comparable with other systems.
+        long = [
+            i
+            for i, (s, t) in enumerate(zip(pieces["train", args.src], pieces["train", args.tgt], strict=True))
+            if len(s) > args.max_len or len(t) > args.max_len
+        ]
+        if long:
+            drop = set(long)
+            for lang, side in ((args.src, "src"), (args.tgt, "tgt")):
+                pieces["train", lang] = [p for i, p in enumerate(pieces["train", lang]) if i not in drop]
+                setattr(train, side, [x for i, x in enumerate(getattr(train, side)) if i not in drop])
+            train.dropped_long = len(long)
+
+        counts = {lang: Counter() for lang in (args.src, args.tgt)}
+        for lang in counts:
+            for sentence in pieces["train", lang]:
+                counts[lang].update(sentence)
+        if not args.separate_vocab:
+            merged = counts[args.src] + counts[args.tgt]
+            counts = {args.src: merged, args.tgt: merged}
+        dictionaries = {lang: Dictionary.from_counts(c) for lang, c in counts.items()}
+        dtype = "uint16" if max(len(d) for d in dictionaries.values()) < 2**16 else "int32"
+        for lang, dictionary in dictionaries.items():
+            dictionary.save(tmp / f"dict.{lang}.txt")
+
+        for split in splits:
+            for side, lang in (("src", args.src), ("tgt", args.tgt)):
+                ids = [dictionaries[lang].encode(p) for p in pieces[split.name, lang]]
+                write_indexed(tmp / f"{split.name}.{lang}", ids, np.dtype(dtype))
+                (tmp / f"{split.name}.raw.{lang}").write_text("".join(x + "\n" for x in getattr(split, side)))
+
+        meta = {
+            "src": args.src,
+            "tgt": args.tgt,
+            "joint_vocab": not args.separate_vocab,
+            "dtype": dtype,
+            "vocab": {lang: len(d) for lang, d in dictionaries.items()},
+            "splits": {
+                s.name: {
+                    "pairs": len(s.src),
+                    "dropped_empty": s.dropped_empty,
+                    "dropped_too_long": s.dropped_long,
+                    "source": prefixes[s.name],
+                }
+                for s in splits
+            },
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp made it private
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        meta = prepare(args)
+    except ConfigError as err:
+        print(f"fathom: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for name, split in meta["splits"].items():
+        print(
+            f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty dropped, "
+            f"{split['dropped_too_long']} over --max-len dropped)"
+        )
+    print(f"dictionaries: {meta['vocab']} entries; written to {args.out}")

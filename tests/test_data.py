@@ -1,0 +1,152 @@
+"""prepare_data on real Multi30k lines and on bad input; dictionaries; token batching."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from model.config import EOS, NUM_SPECIAL, PAD
+from pipeline.corpus import BinarizedCorpus, Dictionary
+from pipeline.data import BatchSize, MicroBatches, epoch_batches
+from pipeline.prepare import main as prepare_main
+from tests.conftest import MULTI30K, write_slice
+
+
+def prepare(tmp_path, train, valid, *extra):
+    args = ["--src", "de", "--tgt", "en", "--train", train, "--valid", valid, "--vocab-size", "300"]
+    prepare_main([*args, "--out", str(tmp_path / "out"), *extra])
+
+
+def expect_error(capsys, tmp_path, train, valid, *extra):
+    with pytest.raises(SystemExit) as exc:
+        prepare(tmp_path, train, valid, *extra)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    assert not leftovers, f"half-written output left behind: {leftovers}"
+    return err
+
+
+def test_prepared_multi30k_slice(multi30k_slice):
+    meta = json.loads((multi30k_slice / "meta.json").read_text())
+    assert meta["splits"]["train"]["pairs"] == 400 and meta["splits"]["test"]["pairs"] == 50
+    corpus = BinarizedCorpus(multi30k_slice, "test")
+    assert len(corpus) == 50 and corpus.src_vocab_size == corpus.tgt_vocab_size == meta["vocab"]["en"]
+    assert (multi30k_slice / "dict.de.txt").read_text() == (multi30k_slice / "dict.en.txt").read_text()
+    src, tgt = corpus.pair(0)
+    assert src.min() >= NUM_SPECIAL and tgt.min() >= NUM_SPECIAL
+    refs = (multi30k_slice / "test.raw.en").read_text().splitlines()
+    with gzip.open(MULTI30K / "test_2016_flickr.en.gz", "rt") as f:
+        assert refs[0] == next(f).rstrip("\n")
+
+
+def test_dictionary_round_trip_in_fairseq_order(multi30k_slice, tmp_path):
+    d = Dictionary.load(multi30k_slice / "dict.en.txt")
+    assert d.symbols[:4] == ["<s>", "<pad>", "</s>", "<unk>"] and (d.index["<pad>"], d.index["</s>"]) == (PAD, EOS)
+    assert len(d) % 8 == 0
+    counts = d.counts[NUM_SPECIAL:]
+    assert counts == sorted(counts, reverse=True)
+    d.save(tmp_path / "dict.txt")
+    again = Dictionary.load(tmp_path / "dict.txt")
+    assert again.symbols == d.symbols and again.counts == d.counts
+    first_line = (multi30k_slice / "dict.en.txt").read_text().splitlines()[0]
+    assert d.symbols[NUM_SPECIAL] == first_line.rsplit(" ", 1)[0]  # file line 1 is index 4
+
+
+def test_separate_vocabularies(tmp_path):
+    train, valid = write_slice(tmp_path, "train", 200), write_slice(tmp_path, "val", 20)
+    prepare(tmp_path, train, valid, "--separate-vocab")
+    out = tmp_path / "out"
+    assert (out / "spm.de.model").exists() and (out / "spm.en.model").exists()
+    assert (out / "dict.de.txt").read_text() != (out / "dict.en.txt").read_text()
+
+
+def test_mismatched_line_counts(tmp_path, capsys):
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    (tmp_path / "train.en").write_text("".join((tmp_path / "train.en").read_text().splitlines(True)[:99]))
+    err = expect_error(capsys, tmp_path, train, valid)
+    assert "train.de has 100 lines but" in err and "train.en has 99" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_utf8(tmp_path, capsys):
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    raw = (tmp_path / "train.de").read_bytes().split(b"\n")
+    raw[6] = "Größe".encode("latin-1")
+    (tmp_path / "train.de").write_bytes(b"\n".join(raw))
+    err = expect_error(capsys, tmp_path, train, valid)
+    assert "train.de:7: not valid UTF-8" in err
+
+
+def test_empty_and_long_pairs_are_dropped_and_counted(tmp_path):
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    de = (tmp_path / "train.de").read_text().splitlines(True)
+    de[3] = "\n"
+    de[5] = "   \n"
+    (tmp_path / "train.de").write_text("".join(de))
+    prepare(tmp_path, train, valid, "--max-len", "20")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())["splits"]["train"]
+    assert meta["dropped_empty"] == 2 and meta["dropped_too_long"] > 0
+    assert meta["pairs"] == 100 - 2 - meta["dropped_too_long"]
+    corpus = BinarizedCorpus(tmp_path / "out", "train")
+    assert len(corpus) == meta["pairs"] and corpus.lengths().max() <= 21
+
+
+def test_existing_output_needs_force(tmp_path, capsys):
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert "already exists; pass --force" in expect_error(capsys, tmp_path, train, valid)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    prepare(tmp_path, train, valid, "--force")
+    assert (tmp_path / "out" / "meta.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_missing_file_and_bad_vocab_size_leave_nothing(tmp_path, capsys):
+    train, valid = write_slice(tmp_path, "train", 50), write_slice(tmp_path, "val", 20)
+    assert "nope.de: no such file" in expect_error(capsys, tmp_path, str(tmp_path / "nope"), valid)
+    args = ["--src", "de", "--tgt", "en", "--train", train, "--valid", valid, "--vocab-size", "100000"]
+    with pytest.raises(SystemExit):
+        prepare_main([*args, "--out", str(tmp_path / "out")])
+    assert "SentencePiece" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.fixture
+def lengths():
+    return np.random.default_rng(0).integers(2, 60, size=997)
+
+
+def test_token_batches_cover_the_epoch_once_within_budget(lengths):
+    size = BatchSize(max_tokens=256)
+    for epoch in (0, 1):
+        batches = epoch_batches(lengths, size, seed=3, epoch=epoch)
+        seen = np.sort(np.concatenate(batches))
+        assert np.array_equal(seen, np.arange(len(lengths)))
+        assert all(lengths[b].max() * len(b) <= 256 for b in batches)
+    spread = [lengths[b].max() - lengths[b].min() for b in epoch_batches(lengths, size, seed=3, epoch=0)]
+    assert np.mean(spread) < 3  # grouped by length
+    assert epoch_batches(lengths, size, 3, 0)[0].tolist() != epoch_batches(lengths, size, 3, 1)[0].tolist()
+
+
+def test_token_budget_resumes_mid_epoch(multi30k_slice):
+    corpus = BinarizedCorpus(multi30k_slice, "train")
+    size = BatchSize(max_tokens=300)
+    full = MicroBatches(corpus, size, seed=1, accumulation=2)
+    batches = [next(full) for _ in range(2 * 30)]  # several epochs of the 400 pairs
+    resumed = MicroBatches(corpus, size, seed=1, start_step=13, accumulation=2)
+    for expected in batches[26:]:
+        got = next(resumed)
+        (src, _), target = got
+        assert max(src.size(1), target.size(1)) * target.size(0) <= 300
+        assert all(a.equal(b) for a, b in zip((*got[0], got[1]), (*expected[0], expected[1]), strict=True))
+
+
+def test_budget_below_longest_pair_is_a_config_error(multi30k_slice):
+    from model.config import ConfigError
+
+    corpus = BinarizedCorpus(multi30k_slice, "train")
+    with pytest.raises(ConfigError, match="data.max_tokens: 10 is below the longest training pair"):
+        MicroBatches(corpus, BatchSize(max_tokens=10), seed=1)

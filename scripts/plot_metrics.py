@@ -1,0 +1,45 @@
+"""Plots training and validation loss of a run: python scripts/plot_metrics.py SAVE_DIR [--out FILE.png]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("run", help="train.save_dir of a run (holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="PNG to write (default: RUN/loss.png)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    path = Path(args.run) / "metrics.jsonl"
+    if not path.exists():
+        sys.exit(f"fathom: error: {path}: no such file; pass the train.save_dir of a run")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    valid = [r for r in records if "valid_loss" in r]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=0.8, alpha=0.8, label="train (per step)")
+    if valid:
+        ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(args.title or Path(args.run).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(args.out or Path(args.run) / "loss.png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

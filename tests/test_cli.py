@@ -1,0 +1,41 @@
+"""The helper commands: one-line errors from generate.py, a plot from plot_metrics.py."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.translate import main as generate_main
+from tests.conftest import ROOT
+
+
+def run_generate(capsys, *args):
+    with pytest.raises(SystemExit) as exc:
+        generate_main(list(args))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_generate_rejects_a_directory_that_is_not_a_run(tmp_path, capsys, multi30k_slice):
+    err = run_generate(capsys, "--checkpoint", str(tmp_path), "--data", str(multi30k_slice))
+    assert "not a training directory (no config.json)" in err
+
+
+def test_generate_rejects_an_unknown_subset_and_data_dir(tmp_path, capsys, multi30k_slice):
+    assert "no split 'dev'" in run_generate(
+        capsys, "--checkpoint", str(tmp_path), "--data", str(multi30k_slice), "--subset", "dev"
+    )
+    assert "not a prepared data directory" in run_generate(
+        capsys, "--checkpoint", str(tmp_path), "--data", str(tmp_path)
+    )
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    rows = [{"step": s, "loss": 5.0 / s} for s in range(1, 21)] + [{"step": 10, "valid_loss": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    subprocess.run([sys.executable, "scripts/plot_metrics.py", str(tmp_path)], cwd=ROOT, check=True)
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

@@ -6,7 +6,11 @@ TORCH ?= torch==2.13.0
 GPUS ?= 2
 CONFIG ?= ds_configs/default.json
 
-.PHONY: install demo test lint format
+M30K ?= ../shared/data/multi30k
+M30K_DATA = data-bin/multi30k_deen
+M30K_RUN = checkpoints/multi30k_deen
+
+.PHONY: install demo test lint format multi30k
 
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
@@ -25,3 +29,14 @@ format:
 
 test: install lint
 	$(PYTHON) -m pytest
+
+# The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set, score, plot.
+$(M30K_DATA)/meta.json:
+	$(PYTHON) scripts/prepare_data.py --src de --tgt en --train $(M30K)/train --valid $(M30K)/val \
+		--test $(M30K)/test_2016_flickr --vocab-size 8000 --out $(M30K_DATA)
+
+multi30k: install $(M30K_DATA)/meta.json
+	deepspeed --num_gpus 1 scripts/train.py --config ds_configs/multi30k_deen.json --resume
+	$(PYTHON) scripts/generate.py --checkpoint $(M30K_RUN) --tag best --data $(M30K_DATA) --subset test \
+		--beam 4 --lenpen 0.6
+	$(PYTHON) scripts/plot_metrics.py $(M30K_RUN) --title "Multi30k De-En"

@@ -23,6 +23,7 @@ def beam_search(
     lenpen: float = 1.0,
     max_len_a: float = 0.0,
     max_len_b: int = 200,
+    min_len: int = 1,
 ) -> list[list[int]]:
     """Best hypothesis per source sentence (token ids ending before eos). beam=1 is greedy decoding."""
     model.eval()
@@ -44,6 +45,8 @@ def beam_search(
         hidden = model.decoder.features(tokens, encoder_out, src)[:, -1]
         lprobs = F.log_softmax(model.decoder.output_projection.project(hidden).float(), dim=-1)
         lprobs[:, PAD] = float("-inf")
+        if step < min_len:  # fairseq's default forbids the empty translation
+            lprobs[:, EOS] = float("-inf")
         if step == max_len:  # out of room: only eos
             eos_column = lprobs[:, EOS].clone()
             lprobs.fill_(float("-inf"))

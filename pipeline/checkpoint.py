@@ -14,6 +14,7 @@ import torch
 
 from model.config import ConfigError, ModelConfig
 from model.transformer import Transformer
+from pipeline.hooks import ScheduleHook
 from pipeline.layers import layer_specs
 
 CONFIG_FILE = "config.json"
@@ -43,8 +44,15 @@ def layer_file(checkpoint: Path, index: int) -> Path:
     return checkpoint / f"layer_{index:02d}-model_states.pt"
 
 
+def global_step(checkpoint: Path) -> int:
+    """The optimizer steps a checkpoint had taken (DeepSpeed keeps them in the model-states file)."""
+    states = torch.load(checkpoint / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    return int(states["global_steps"])
+
+
 def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
-    """The single-process model with the weights of a pipeline checkpoint of any depth and stage count."""
+    """The single-process model with the weights of a pipeline checkpoint of any depth and stage count,
+    and its step-dependent values (BranchNorm's alpha) at the checkpoint's step."""
     cfg = model_config(save_dir)
     checkpoint = checkpoint_dir(save_dir, tag)
     model = Transformer(cfg)
@@ -53,4 +61,5 @@ def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
             continue
         state = torch.load(layer_file(checkpoint, index), map_location="cpu", weights_only=True)
         model.get_submodule(name).load_state_dict(state)
+    ScheduleHook(model)(global_step(checkpoint))
     return model.eval()

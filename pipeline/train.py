@@ -204,6 +204,8 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
         if valid and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
+            for hook in hooks:  # the model after step s is evaluated (and exported) at step s
+                hook(done)
             valid_loss = validate(engine, valid)
             if valid_loss < best:
                 best = valid_loss

@@ -11,7 +11,7 @@ import torch
 from model.loss import label_smoothed_cross_entropy
 from pipeline.checkpoint import load_reference
 from pipeline.config import load_config
-from pipeline.data import MicroBatches
+from pipeline.data import MicroBatches, eval_batches
 from pipeline.hooks import ScheduleHook
 from pipeline.train import build_corpus
 from tests.conftest import ROOT, launch
@@ -171,6 +171,15 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     assert [r["step"] for r in valid] == [4, 8] and all(math.isfinite(r["valid_loss"]) for r in valid)
     assert valid[-1]["best_valid_loss"] == min(r["valid_loss"] for r in valid)
     assert (save / "best").is_dir() and (save / "latest").read_text().strip() == "global_step8"
+    # The best checkpoint, loaded into the single-process model (alpha at its step), scores the same.
+    cfg = load_config(ROOT / "ds_configs" / "default.json", [f"train.save_dir={save}", *overrides], world_size=2)
+    model = load_reference(save, "best")
+    with torch.no_grad():
+        losses = [
+            label_smoothed_cross_entropy(model(src, prev), target).item()
+            for (src, prev), target in eval_batches(build_corpus(cfg, "valid"), cfg.batch_size)
+        ]
+    assert sum(losses) / len(losses) == pytest.approx(valid[-1]["best_valid_loss"], abs=1e-5)
 
     output = tmp_path / "hyps.txt"
     args = ["--checkpoint", str(save), "--tag", "best", "--data", str(multi30k_slice), "--subset", "test"]

@@ -55,7 +55,7 @@ CASES = {
 }
 
 
-REAL_DATA = "model.norm_scheme=branchnorm,data.path={},data.max_tokens=120"
+REAL_DATA_CASE = "branchnorm_multi30k_token_batches"
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +63,17 @@ def parity_runs(tmp_path_factory, multi30k_slice):
     out = tmp_path_factory.mktemp("parity")
     config = out / "parity.json"
     config.write_text(json.dumps(PARITY_CONFIG))
-    CASES["branchnorm_multi30k_token_batches"] = REAL_DATA.format(multi30k_slice)
-    cases = [f"{name}={overrides}" for name, overrides in CASES.items()]
-    result = launch(ROOT / "tests" / "workers" / "parity.py", str(config), str(out), *cases)
+    cases = {**CASES, REAL_DATA_CASE: f"model.norm_scheme=branchnorm,data.path={multi30k_slice},data.max_tokens=120"}
+    args = [f"{name}={overrides}" for name, overrides in cases.items()]
+    result = launch(ROOT / "tests" / "workers" / "parity.py", str(config), str(out), *args)
     assert result.returncode == 0, "the parity worker failed (its output is above)"
-    return config, out
+    return config, out, cases
 
 
-@pytest.mark.parametrize("case", [*CASES, "branchnorm_multi30k_token_batches"])
+@pytest.mark.parametrize("case", [*CASES, REAL_DATA_CASE])
 def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
-    config, out = parity_runs
-    cfg = load_config(config, [f"train.save_dir={out / case}", *CASES[case].split(",")], world_size=2)
+    config, out, cases = parity_runs
+    cfg = load_config(config, [f"train.save_dir={out / case}", *cases[case].split(",")], world_size=2)
     model = load_reference(out / case, "before").train()
     after = load_reference(out / case, "after")
     ScheduleHook(model)(2)
@@ -102,7 +102,7 @@ def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
 
 
 def test_each_rank_builds_only_its_own_stage(parity_runs):
-    config, out = parity_runs
+    _, out, _ = parity_runs
     ranks = [json.loads((out / "post_ln" / f"rank{r}.json").read_text()) for r in (0, 1)]
     total = 2 + 2 + 3 + 1  # embeddings, encoder layers, decoder layers, output projection
     assert ranks[0]["start"] == 0 and ranks[0]["stop"] == ranks[1]["start"] and ranks[1]["stop"] == total

@@ -67,15 +67,15 @@ class TransformerLayer(nn.Module):
         scheme = build_scheme(cfg)
         dim = cfg.embed_dim
         self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.self_attn_layer_norm = scheme.layer_norm(dim)
         self.self_attn_residual = scheme.residual(side)
         if side == "decoder":
             self.encoder_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout)
-            self.encoder_attn_layer_norm = nn.LayerNorm(dim)
+            self.encoder_attn_layer_norm = scheme.layer_norm(dim)
             self.encoder_attn_residual = scheme.residual(side)
         self.fc1 = nn.Linear(dim, cfg.ffn_dim)
         self.fc2 = nn.Linear(cfg.ffn_dim, dim)
-        self.final_layer_norm = nn.LayerNorm(dim)
+        self.final_layer_norm = scheme.layer_norm(dim)
         self.ffn_residual = scheme.residual(side)
         self.dropout = nn.Dropout(cfg.dropout)
         self.activation_dropout = nn.Dropout(cfg.activation_dropout)

@@ -73,6 +73,10 @@ class NormScheme:
         """The module joining one sublayer's branch to the residual stream."""
         return PostNorm()
 
+    def layer_norm(self, dim: int) -> nn.Module:
+        """The normalization handed to residual(); schemes without LayerNorm return nn.Identity."""
+        return nn.LayerNorm(dim)
+
     def init_layer(self, layer: nn.Module, side: Side) -> None:
         """Re-initializes a freshly built layer; fairseq's initialization is already applied."""
 
@@ -115,6 +119,32 @@ class PreLN(NormScheme):
 
     def residual(self, side: Side) -> nn.Module:
         return PreNorm()
+
+
+class ReZeroResidual(nn.Module):
+    """x_{l+1} = x_l + w * F(x_l), w a trainable scalar starting at 0, no normalization."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        return x + self.weight * branch(x)
+
+
+@register
+class ReZero(NormScheme):
+    # One w per sublayer (self-attention, cross-attention, FFN), where the ReZero paper's Transformer
+    # shares one per layer: the per-branch choice lets a decoder layer open its sublayers separately.
+    name = "rezero"
+    formula = "x = x + w * F(x), w a scalar per sublayer initialized to 0; no LayerNorm"
+    source = "Bachlechner et al. 2020, ReZero"
+
+    def residual(self, side: Side) -> nn.Module:
+        return ReZeroResidual()
+
+    def layer_norm(self, dim: int) -> nn.Module:
+        return nn.Identity()
 
 
 def deepnorm_constants(encoder_layers: int, decoder_layers: int, side: Side) -> tuple[float, float]:

@@ -66,6 +66,9 @@ def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a:
     if residual == "pre":
         h = x + attn(ln1(x))
         return h + ffn(ln2(h))
+    if residual == "rezero":  # x + w F(x), no LayerNorm
+        h = x + layer.self_attn_residual.weight * attn(x)
+        return h + layer.ffn_residual.weight * ffn(h)
     if residual == "post_alpha":  # DeepNorm: LN(alpha * x + F(x))
         h = ln1(a * x + attn(x))
         return ln2(a * h + ffn(h))
@@ -87,9 +90,26 @@ def test_encoder_layer_follows_formula(scheme):
         expected = manual_encoder_layer(layer, x, "post_alpha", deepnorm_constants(3, 2, "encoder")[0])
     elif scheme == "branchnorm":
         expected = manual_encoder_layer(layer, x, "post", 0.25)
+    elif scheme == "rezero":
+        with torch.no_grad():  # away from the initial 0, where every branch is invisible
+            layer.self_attn_residual.weight.fill_(0.3)
+            layer.ffn_residual.weight.fill_(-0.7)
+        expected = manual_encoder_layer(layer, x, "rezero")
     else:
         expected = manual_encoder_layer(layer, x, "post")
     torch.testing.assert_close(layer(x, src), expected, rtol=0, atol=1e-6)
+
+
+def test_rezero_starts_as_the_identity_without_layer_norms():
+    torch.manual_seed(0)
+    model = Transformer(config("rezero"))
+    weights = {k: v for k, v in model.state_dict().items() if k.endswith("_residual.weight")}
+    assert len(weights) == 3 * 2 + 2 * 3  # encoder: attention + FFN; decoder: + cross-attention
+    assert all(torch.equal(w, torch.zeros(1)) for w in weights.values())
+    assert not any("layer_norm" in k for k in model.state_dict())
+    layer = model.encoder.layers[0].eval()
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(layer(x, torch.randint(4, 30, (2, 5))), x, rtol=0, atol=0)
 
 
 def test_branchnorm_at_alpha_one_equals_post_ln():

@@ -147,11 +147,16 @@ class ReZero(NormScheme):
         return nn.Identity()
 
 
-def deepnorm_constants(encoder_layers: int, decoder_layers: int, side: Side) -> tuple[float, float]:
-    """(alpha, beta) of DeepNet's encoder-decoder table for N encoder and M decoder layers."""
+def deepnorm_constants(
+    encoder_layers: int, decoder_layers: int, side: Side, variant: str = "paper"
+) -> tuple[float, float]:
+    """(alpha, beta) of DeepNet's encoder-decoder table for N encoder and M decoder layers.
+
+    torchscale's code differs from the paper in one constant: its encoder beta is 1.15 (N^4 M)^(-1/16)."""
     n, m = encoder_layers, decoder_layers
     if side == "encoder":
-        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+        beta_factor = 1.15 if variant == "torchscale" else 0.87
+        return 0.81 * (n**4 * m) ** (1 / 16), beta_factor * (n**4 * m) ** (-1 / 16)
     return (3 * m) ** (1 / 4), (12 * m) ** (-1 / 4)
 
 
@@ -168,19 +173,42 @@ def deepnorm_init(layer: nn.Module, beta: float) -> None:
             nn.init.xavier_normal_(module.weight, gain=beta if leaf in BETA_SCALED else 1.0)
 
 
+def torchscale_deepnorm_init(layer: nn.Module, beta: float) -> None:
+    """torchscale's variant: keeps the default init (no xavier) and multiplies the weights and
+    biases of BETA_SCALED by beta."""
+    with torch.no_grad():
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in BETA_SCALED:
+                module.weight.mul_(beta)
+                module.bias.mul_(beta)
+
+
+DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": torchscale_deepnorm_init}
+
+
 @register
 class DeepNorm(NormScheme):
     name = "deepnorm"
     formula = "x = LN(alpha * x + F(x)); beta-scaled init of v_proj, out_proj, fc1, fc2"
     source = "Wang et al. 2022, DeepNet"
 
+    @dataclass
+    class Options:
+        # "paper": xavier_normal with gain beta (Algorithm 1); "torchscale": that library's code.
+        init: str = "paper"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        if self.options.init not in DEEPNORM_INITS:
+            raise ConfigError(f"model.deepnorm.init: '{self.options.init}'; choose one of {', '.join(DEEPNORM_INITS)}")
+
     def residual(self, side: Side) -> nn.Module:
         alpha, _ = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
         return PostNorm(residual_scale=alpha)
 
     def init_layer(self, layer: nn.Module, side: Side) -> None:
-        _, beta = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
-        deepnorm_init(layer, beta)
+        _, beta = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side, self.options.init)
+        DEEPNORM_INITS[self.options.init](layer, beta)
 
 
 def _sigmoid(z: float) -> float:

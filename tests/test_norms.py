@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import SCHEMES, ModelConfig
+from model.config import ConfigError
 from model.layers import DecoderLayer, EncoderLayer
 from model.norms import branchnorm_alpha, deepnorm_constants
 from model.transformer import Transformer
@@ -51,6 +52,28 @@ def test_deepnorm_beta_scales_exactly_v_out_fc1_fc2():
         expected = xavier_std(param) * (beta if leaf in ("v_proj", "out_proj", "fc1", "fc2") else 1.0)
         assert param.std().item() == pytest.approx(expected, rel=0.05), name
     assert torch.equal(layer.self_attn_layer_norm.weight, torch.ones(256))
+
+
+@pytest.mark.parametrize(
+    "layer_cls, side, hand_beta", [(EncoderLayer, "encoder", 0.83677), (DecoderLayer, "decoder", 0.45180)]
+)
+def test_deepnorm_torchscale_init_scales_the_default_init(layer_cls, side, hand_beta):
+    """torchscale's code: default init, then weights and biases of v_proj/out_proj/fc1/fc2 times beta,
+    with encoder beta 1.15 (N^4 M)^(-1/16) (hand-computed above for N=3, M=2) instead of the paper's 0.87."""
+    beta = deepnorm_constants(3, 2, side, "torchscale")[1]
+    assert beta == pytest.approx(hand_beta, abs=1e-5)
+    torch.manual_seed(0)
+    scaled = dict(layer_cls(config("deepnorm", schemes={"deepnorm": {"init": "torchscale"}})).named_parameters())
+    torch.manual_seed(0)
+    plain = dict(layer_cls(config("post_ln")).named_parameters())
+    for name, param in scaled.items():
+        factor = beta if name.split(".")[-2] in ("v_proj", "out_proj", "fc1", "fc2") else 1.0
+        torch.testing.assert_close(param, factor * plain[name], rtol=1e-6, atol=0, msg=name)
+
+
+def test_deepnorm_init_must_be_paper_or_torchscale():
+    with pytest.raises(ConfigError, match="model.deepnorm.init: 'xavier'; choose one of paper, torchscale"):
+        Transformer(config("deepnorm", schemes={"deepnorm": {"init": "xavier"}}))
 
 
 def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a: float = 1.0) -> torch.Tensor:

@@ -22,9 +22,10 @@ def key_mask(tokens: torch.Tensor) -> torch.Tensor:
 
 
 class MultiheadAttention(nn.Module):
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, inner_attn_ln: nn.Module | None = None):
         super().__init__()
         self.num_heads = num_heads
+        self.inner_attn_ln = inner_attn_ln if inner_attn_ln is not None else nn.Identity()
         self.dropout = dropout
         self.q_proj = nn.Linear(embed_dim, embed_dim)
         self.k_proj = nn.Linear(embed_dim, embed_dim)
@@ -55,7 +56,7 @@ class MultiheadAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )
-        return self.out_proj(out.transpose(1, 2).flatten(2))
+        return self.out_proj(self.inner_attn_ln(out.transpose(1, 2).flatten(2)))
 
 
 class TransformerLayer(nn.Module):
@@ -66,7 +67,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         scheme = build_scheme(cfg)
         dim = cfg.embed_dim
-        self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout)
+        self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout, scheme.inner_norm(dim))
         self.self_attn_layer_norm = scheme.layer_norm(dim)
         self.self_attn_residual = scheme.residual(side)
         if side == "decoder":
@@ -74,6 +75,7 @@ class TransformerLayer(nn.Module):
             self.encoder_attn_layer_norm = scheme.layer_norm(dim)
             self.encoder_attn_residual = scheme.residual(side)
         self.fc1 = nn.Linear(dim, cfg.ffn_dim)
+        self.ffn_layernorm = scheme.inner_norm(cfg.ffn_dim)
         self.fc2 = nn.Linear(cfg.ffn_dim, dim)
         self.final_layer_norm = scheme.layer_norm(dim)
         self.ffn_residual = scheme.residual(side)
@@ -82,7 +84,7 @@ class TransformerLayer(nn.Module):
         scheme.init_layer(self, side)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(self.activation_dropout(F.relu(self.fc1(x)))))
+        return self.dropout(self.fc2(self.ffn_layernorm(self.activation_dropout(F.relu(self.fc1(x))))))
 
 
 class EncoderLayer(TransformerLayer):

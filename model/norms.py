@@ -77,6 +77,10 @@ class NormScheme:
         """The normalization handed to residual(); schemes without LayerNorm return nn.Identity."""
         return nn.LayerNorm(dim)
 
+    def inner_norm(self, dim: int) -> nn.Module:
+        """Normalization inside a branch: before self-attention's out_proj and before fc2 (Sub-LN)."""
+        return nn.Identity()
+
     def init_layer(self, layer: nn.Module, side: Side) -> None:
         """Re-initializes a freshly built layer; fairseq's initialization is already applied."""
 
@@ -173,14 +177,20 @@ def deepnorm_init(layer: nn.Module, beta: float) -> None:
             nn.init.xavier_normal_(module.weight, gain=beta if leaf in BETA_SCALED else 1.0)
 
 
-def torchscale_deepnorm_init(layer: nn.Module, beta: float) -> None:
-    """torchscale's variant: keeps the default init (no xavier) and multiplies the weights and
-    biases of BETA_SCALED by beta."""
+def scale_projections(layer: nn.Module, factor: float, skip: str | None = None) -> None:
+    """torchscale's way: multiply the weights and biases of BETA_SCALED (outside `skip`) by factor."""
     with torch.no_grad():
         for name, module in layer.named_modules():
+            if skip is not None and name.startswith(skip):
+                continue
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in BETA_SCALED:
-                module.weight.mul_(beta)
-                module.bias.mul_(beta)
+                module.weight.mul_(factor)
+                module.bias.mul_(factor)
+
+
+def torchscale_deepnorm_init(layer: nn.Module, beta: float) -> None:
+    """torchscale's variant: keeps the default init (no xavier) and scales BETA_SCALED by beta."""
+    scale_projections(layer, beta)
 
 
 DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": torchscale_deepnorm_init}
@@ -209,6 +219,31 @@ class DeepNorm(NormScheme):
     def init_layer(self, layer: nn.Module, side: Side) -> None:
         _, beta = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side, self.options.init)
         DEEPNORM_INITS[self.options.init](layer, beta)
+
+
+def sub_ln_gain(encoder_layers: int, decoder_layers: int, side: Side) -> float:
+    """Magneto's encoder-decoder gain gamma, as torchscale computes it."""
+    n, m = encoder_layers, decoder_layers
+    if side == "encoder":
+        return math.sqrt(math.log(3 * m) * math.log(2 * n) / 3)
+    return math.sqrt(math.log(3 * m))
+
+
+@register
+class SubLN(PreLN):
+    """Pre-LN whose branches normalize once more inside."""
+
+    name = "sub_ln"
+    formula = "x = x + F(LN(x)), F with an extra LN before out_proj (self-attention) and before fc2"
+    source = "Wang et al. 2022, Foundation Transformers (Magneto); torchscale"
+
+    def inner_norm(self, dim: int) -> nn.Module:
+        return nn.LayerNorm(dim)
+
+    def init_layer(self, layer: nn.Module, side: Side) -> None:
+        # torchscale leaves the decoder's cross-attention at its default init.
+        gain = sub_ln_gain(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
+        scale_projections(layer, gain, skip="encoder_attn")
 
 
 def _sigmoid(z: float) -> float:

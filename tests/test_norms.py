@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from model import SCHEMES, ModelConfig
 from model.config import ConfigError
 from model.layers import DecoderLayer, EncoderLayer
-from model.norms import branchnorm_alpha, deepnorm_constants
+from model.norms import branchnorm_alpha, deepnorm_constants, sub_ln_gain
 from model.transformer import Transformer
 from pipeline.hooks import ScheduleHook
 
@@ -76,6 +76,37 @@ def test_deepnorm_init_must_be_paper_or_torchscale():
         Transformer(config("deepnorm", schemes={"deepnorm": {"init": "xavier"}}))
 
 
+def sub_ln_attention(mha, h: torch.Tensor) -> torch.Tensor:
+    """Softmax attention written out, with Sub-LN's LayerNorm before out_proj."""
+    heads = mha.num_heads
+
+    def split(t):
+        return t.view(t.size(0), t.size(1), heads, -1).transpose(1, 2)
+
+    q, k, v = split(mha.q_proj(h)), split(mha.k_proj(h)), split(mha.v_proj(h))
+    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1)
+    return mha.out_proj(mha.inner_attn_ln((weights @ v).transpose(1, 2).flatten(2)))
+
+
+@pytest.mark.parametrize(
+    "layer_cls, side, hand_gain", [(EncoderLayer, "encoder", 1.03447), (DecoderLayer, "decoder", 1.33857)]
+)
+def test_sub_ln_init_scales_all_but_cross_attention(layer_cls, side, hand_gain):
+    """torchscale's Sub-LN init for N=3, M=2: encoder gamma = sqrt(ln(3M) ln(2N) / 3), decoder sqrt(ln(3M))."""
+    gain = sub_ln_gain(3, 2, side)
+    assert gain == pytest.approx(hand_gain, abs=1e-5)
+    torch.manual_seed(0)
+    sub_ln = dict(layer_cls(config("sub_ln")).named_parameters())
+    torch.manual_seed(0)
+    plain = dict(layer_cls(config("post_ln")).named_parameters())
+    for name, param in sub_ln.items():
+        if "inner_attn_ln" in name or "ffn_layernorm" in name:
+            assert torch.equal(param, torch.ones_like(param) if name.endswith("weight") else torch.zeros_like(param))
+            continue
+        scaled = name.split(".")[-2] in ("v_proj", "out_proj", "fc1", "fc2") and not name.startswith("encoder_attn")
+        torch.testing.assert_close(param, (gain if scaled else 1.0) * plain[name], rtol=1e-6, atol=0, msg=name)
+
+
 def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a: float = 1.0) -> torch.Tensor:
     """The paper formula for each scheme, written out over the layer's own submodules."""
 
@@ -83,9 +114,12 @@ def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a:
         return layer.self_attn(h, h)
 
     def ffn(h):
-        return layer.fc2(F.relu(layer.fc1(h)))
+        return layer.fc2(layer.ffn_layernorm(F.relu(layer.fc1(h))))
 
     ln1, ln2 = layer.self_attn_layer_norm, layer.final_layer_norm
+    if residual == "sub_ln":  # Pre-LN with a LayerNorm before out_proj and before fc2
+        h = x + sub_ln_attention(layer.self_attn, ln1(x))
+        return h + ffn(ln2(h))
     if residual == "pre":
         h = x + attn(ln1(x))
         return h + ffn(ln2(h))
@@ -113,6 +147,8 @@ def test_encoder_layer_follows_formula(scheme):
         expected = manual_encoder_layer(layer, x, "post_alpha", deepnorm_constants(3, 2, "encoder")[0])
     elif scheme == "branchnorm":
         expected = manual_encoder_layer(layer, x, "post", 0.25)
+    elif scheme == "sub_ln":
+        expected = manual_encoder_layer(layer, x, "sub_ln")
     elif scheme == "rezero":
         with torch.no_grad():  # away from the initial 0, where every branch is invisible
             layer.self_attn_residual.weight.fill_(0.3)

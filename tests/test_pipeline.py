@@ -49,6 +49,7 @@ CASES = {
     "deepnorm": "model.norm_scheme=deepnorm",
     "branchnorm": "model.norm_scheme=branchnorm",
     "rezero": "model.norm_scheme=rezero",
+    "sub_ln": "model.norm_scheme=sub_ln",
     "pre_ln_untied": "model.norm_scheme=pre_ln,model.share_all_embeddings=false",
     "branchnorm_decoder_tied": (
         "model.norm_scheme=branchnorm,model.share_all_embeddings=false,model.share_decoder_input_output_embed=true"

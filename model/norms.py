@@ -188,12 +188,8 @@ def scale_projections(layer: nn.Module, factor: float, skip: str | None = None) 
                 module.bias.mul_(factor)
 
 
-def torchscale_deepnorm_init(layer: nn.Module, beta: float) -> None:
-    """torchscale's variant: keeps the default init (no xavier) and scales BETA_SCALED by beta."""
-    scale_projections(layer, beta)
-
-
-DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": torchscale_deepnorm_init}
+# torchscale's variant keeps the default init (no xavier) and only scales BETA_SCALED by beta.
+DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": scale_projections}
 
 
 @register

@@ -54,6 +54,14 @@ def test_deepnorm_beta_scales_exactly_v_out_fc1_fc2():
     assert torch.equal(layer.self_attn_layer_norm.weight, torch.ones(256))
 
 
+def params_beside_default_init(layer_cls, cfg: ModelConfig) -> tuple[dict, dict]:
+    """A layer's parameters and, built from the same seed, those of a default-initialized (Post-LN) layer."""
+    torch.manual_seed(0)
+    params = dict(layer_cls(cfg).named_parameters())
+    torch.manual_seed(0)
+    return params, dict(layer_cls(config("post_ln")).named_parameters())
+
+
 @pytest.mark.parametrize(
     "layer_cls, side, hand_beta", [(EncoderLayer, "encoder", 0.83677), (DecoderLayer, "decoder", 0.45180)]
 )
@@ -62,10 +70,9 @@ def test_deepnorm_torchscale_init_scales_the_default_init(layer_cls, side, hand_
     with encoder beta 1.15 (N^4 M)^(-1/16) (hand-computed above for N=3, M=2) instead of the paper's 0.87."""
     beta = deepnorm_constants(3, 2, side, "torchscale")[1]
     assert beta == pytest.approx(hand_beta, abs=1e-5)
-    torch.manual_seed(0)
-    scaled = dict(layer_cls(config("deepnorm", schemes={"deepnorm": {"init": "torchscale"}})).named_parameters())
-    torch.manual_seed(0)
-    plain = dict(layer_cls(config("post_ln")).named_parameters())
+    scaled, plain = params_beside_default_init(
+        layer_cls, config("deepnorm", schemes={"deepnorm": {"init": "torchscale"}})
+    )
     for name, param in scaled.items():
         factor = beta if name.split(".")[-2] in ("v_proj", "out_proj", "fc1", "fc2") else 1.0
         torch.testing.assert_close(param, factor * plain[name], rtol=1e-6, atol=0, msg=name)
@@ -95,10 +102,7 @@ def test_sub_ln_init_scales_all_but_cross_attention(layer_cls, side, hand_gain):
     """torchscale's Sub-LN init for N=3, M=2: encoder gamma = sqrt(ln(3M) ln(2N) / 3), decoder sqrt(ln(3M))."""
     gain = sub_ln_gain(3, 2, side)
     assert gain == pytest.approx(hand_gain, abs=1e-5)
-    torch.manual_seed(0)
-    sub_ln = dict(layer_cls(config("sub_ln")).named_parameters())
-    torch.manual_seed(0)
-    plain = dict(layer_cls(config("post_ln")).named_parameters())
+    sub_ln, plain = params_beside_default_init(layer_cls, config("sub_ln"))
     for name, param in sub_ln.items():
         if "inner_attn_ln" in name or "ffn_layernorm" in name:
             assert torch.equal(param, torch.ones_like(param) if name.endswith("weight") else torch.zeros_like(param))

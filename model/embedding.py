@@ -34,9 +34,11 @@ def positions_of(tokens: torch.Tensor, padding_idx: int = PAD) -> torch.Tensor:
 class Embedding(nn.Embedding):
     """embed(): dropout(sqrt(d) * E[tokens] + positions); project(): logits x E^T (tied output layer)."""
 
-    def __init__(self, vocab_size: int, embed_dim: int, dropout: float = 0.0, padding_idx: int = PAD):
+    def __init__(
+        self, vocab_size: int, embed_dim: int, dropout: float = 0.0, init_scale: float = 1.0, padding_idx: int = PAD
+    ):
         super().__init__(vocab_size, embed_dim, padding_idx=padding_idx)
-        nn.init.normal_(self.weight, mean=0.0, std=embed_dim**-0.5)
+        nn.init.normal_(self.weight, mean=0.0, std=init_scale * embed_dim**-0.5)
         with torch.no_grad():
             self.weight[padding_idx].zero_()
         self.scale = math.sqrt(embed_dim)

@@ -5,7 +5,7 @@ F is combined with the residual stream and normalized, and how the layer's weigh
 initialized on top of fairseq's defaults. Adding a scheme is one registered class below;
 layers, pipeline and trainer do not change.
 
-    python scripts/list_schemes.py      # prints the registry as a table
+    python scripts/list_schemes.py      # prints the registry as a table (README's)
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ class NormScheme:
     name: ClassVar[str]
     formula: ClassVar[str]
     source: ClassVar[str]
+    # For the registry table (scripts/list_schemes.py): how weights start, and how the trained
+    # model maps onto a plain fairseq Transformer.
+    initialization: ClassVar[str] = "fairseq's"
+    fairseq_export: ClassVar[str] = "yes, as is"
     # Pre-LN stacks end in a final LayerNorm (fairseq's encoder.layer_norm / decoder.layer_norm).
     normalize_before: ClassVar[bool] = False
+    # The initialization needs a forward pass over data first (Admin's profiling, model/admin.py).
+    profiled: ClassVar[bool] = False
 
     @dataclass
     class Options:
@@ -83,6 +89,10 @@ class NormScheme:
 
     def init_layer(self, layer: nn.Module, side: Side) -> None:
         """Re-initializes a freshly built layer; fairseq's initialization is already applied."""
+
+    def embedding_scale(self, side: Side) -> float:
+        """Factor on the N(0, d^-1/2) initialization of the side's token embedding (T-Fixup)."""
+        return 1.0
 
     def step_metrics(self, step: int) -> dict[str, float]:
         """Step-dependent values worth logging (e.g. BranchNorm's alpha)."""
@@ -119,6 +129,7 @@ class PreLN(NormScheme):
     name = "pre_ln"
     formula = "x = x + F(LN(x)); final LN after each stack"
     source = "Xiong et al. 2020"
+    fairseq_export = "yes, with encoder/decoder_normalize_before"
     normalize_before = True
 
     def residual(self, side: Side) -> nn.Module:
@@ -143,12 +154,56 @@ class ReZero(NormScheme):
     name = "rezero"
     formula = "x = x + w * F(x), w a scalar per sublayer initialized to 0; no LayerNorm"
     source = "Bachlechner et al. 2020, ReZero"
+    initialization = "fairseq's; w = 0"
+    fairseq_export = "no: w and the missing LayerNorms need a plugin"
 
     def residual(self, side: Side) -> nn.Module:
         return ReZeroResidual()
 
     def layer_norm(self, dim: int) -> nn.Module:
         return nn.Identity()
+
+
+def variance(t: torch.Tensor) -> float:
+    """Population variance over every element, in float64 so stage counts cannot change the sum."""
+    return t.detach().double().var(correction=0).item()
+
+
+class AdminResidual(nn.Module):
+    """x_{l+1} = LN(x_l * omega + F(x_l)), omega a trainable vector over the model dimension.
+
+    While `profiling` is set it records (Var[x_l], Var[F(x_l)]); model/admin.py turns the records
+    of a whole stack into omegas."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.omega = nn.Parameter(torch.ones(dim))
+        self.profiling = False
+        self.variances: tuple[float, float] | None = None
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        out = branch(x)
+        if self.profiling:
+            self.variances = (variance(x), variance(out))
+        return layer_norm(x * self.omega + out)
+
+
+@register
+class Admin(NormScheme):
+    name = "admin"
+    formula = "x = LN(x * omega + F(x)), omega a vector per sublayer set by a profiling pass"
+    source = "Liu et al. 2020, Admin; Liu et al. 2020, Very Deep Transformers for NMT"
+    initialization = "fairseq's; omega from one profiling batch (or a saved profile)"
+    fairseq_export = "yes, omega folded into the LayerNorm before each sublayer (Admin App. C)"
+    profiled = True
+
+    @dataclass
+    class Options:
+        # A profile an earlier run wrote (<save_dir>/admin_profile.json): use its omegas, skip profiling.
+        profile: str | None = None
+
+    def residual(self, side: Side) -> nn.Module:
+        return AdminResidual(self.cfg.embed_dim)
 
 
 def deepnorm_constants(
@@ -197,6 +252,8 @@ class DeepNorm(NormScheme):
     name = "deepnorm"
     formula = "x = LN(alpha * x + F(x)); beta-scaled init of v_proj, out_proj, fc1, fc2"
     source = "Wang et al. 2022, DeepNet"
+    initialization = "xavier_normal, gain beta on v_proj, out_proj, fc1, fc2 (or torchscale's: weights x beta)"
+    fairseq_export = "yes, 1/alpha folded into out_proj and fc2 (LayerNorm is scale invariant)"
 
     @dataclass
     class Options:
@@ -232,6 +289,8 @@ class SubLN(PreLN):
     name = "sub_ln"
     formula = "x = x + F(LN(x)), F with an extra LN before out_proj (self-attention) and before fc2"
     source = "Wang et al. 2022, Foundation Transformers (Magneto); torchscale"
+    initialization = "fairseq's; v_proj, out_proj, fc1, fc2 x gamma (not cross-attention)"
+    fairseq_export = "no: the inner LayerNorms need a plugin"
 
     def inner_norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
@@ -240,6 +299,50 @@ class SubLN(PreLN):
         # torchscale leaves the decoder's cross-attention at its default init.
         gain = sub_ln_gain(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
         scale_projections(layer, gain, skip="encoder_attn")
+
+
+def t_fixup_scale(encoder_layers: int, decoder_layers: int, side: Side) -> float:
+    """T-Fixup's factor: 0.67 N^(-1/4) in the encoder, (9M)^(-1/4) in the decoder."""
+    return 0.67 * encoder_layers ** (-1 / 4) if side == "encoder" else (9 * decoder_layers) ** (-1 / 4)
+
+
+def t_fixup_init(layer: nn.Module, scale: float) -> None:
+    """The authors' code: xavier_uniform FFN with zero bias, then v_proj, out_proj, fc1, fc2 weights
+    times scale; v_proj also times sqrt(2), undoing fairseq's 1/sqrt(2) gain to start from xavier."""
+    with torch.no_grad():
+        for name, module in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if not isinstance(module, nn.Linear) or leaf not in BETA_SCALED:
+                continue
+            if leaf in ("fc1", "fc2"):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            module.weight.mul_(scale * (math.sqrt(2) if leaf == "v_proj" else 1.0))
+
+
+@register
+class TFixup(NormScheme):
+    name = "t_fixup"
+    formula = "x = x + F(x), no LayerNorm; v_proj, out_proj, fc1, fc2 and token embeddings scaled at init"
+    source = "Huang et al. 2020, T-Fixup; layer6ai-labs/T-Fixup"
+    initialization = (
+        "xavier; v_proj, out_proj, fc1, fc2 x 0.67 N^-1/4 (enc), (9M)^-1/4 (dec); embeddings x (9N)^-1/4, (9M)^-1/4"
+    )
+    fairseq_export = "no: without LayerNorm it needs a plugin"
+
+    def residual(self, side: Side) -> nn.Module:
+        return PreNorm()  # handed nn.Identity below: x + F(x)
+
+    def layer_norm(self, dim: int) -> nn.Module:
+        return nn.Identity()
+
+    def init_layer(self, layer: nn.Module, side: Side) -> None:
+        t_fixup_init(layer, t_fixup_scale(self.cfg.encoder_layers, self.cfg.decoder_layers, side))
+
+    def embedding_scale(self, side: Side) -> float:
+        # The authors' code scales the encoder's embedding with N (their paper's text says M for both).
+        layers = self.cfg.encoder_layers if side == "encoder" else self.cfg.decoder_layers
+        return (9 * layers) ** (-1 / 4)
 
 
 def _sigmoid(z: float) -> float:
@@ -283,6 +386,8 @@ class BranchNorm(NormScheme):
     name = "branchnorm"
     formula = "x = LN(x + alpha_t * F(x)), alpha_t = min(1, t/T)"
     source = "Liu et al. 2023, BranchNorm"
+    initialization = "DeepNorm's (default) or fairseq's"
+    fairseq_export = "yes, alpha_t folded into out_proj and fc2"
 
     @dataclass
     class Options:
@@ -313,9 +418,3 @@ class BranchNorm(NormScheme):
 
     def step_metrics(self, step: int) -> dict[str, float]:
         return {"alpha": self.alpha(step)}
-
-
-def registry_table() -> str:
-    rows = ["| scheme | residual | source |", "| --- | --- | --- |"]
-    rows += [f"| `{s.name}` | {s.formula} | {s.source} |" for s in SCHEMES.values()]
-    return "\n".join(rows)

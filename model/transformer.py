@@ -55,10 +55,11 @@ class Decoder(nn.Module):
 
 def build_embeddings(cfg: ModelConfig) -> tuple[Embedding, Embedding, Embedding]:
     """(encoder input, decoder input, output projection) tables, shared as the config says."""
-    src = Embedding(cfg.src_vocab_size, cfg.embed_dim, cfg.dropout)
+    scheme = build_scheme(cfg)
+    src = Embedding(cfg.src_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("encoder"))
     if cfg.share_all_embeddings:
         return src, src, src
-    tgt = Embedding(cfg.tgt_vocab_size, cfg.embed_dim, cfg.dropout)
+    tgt = Embedding(cfg.tgt_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("decoder"))
     if cfg.share_decoder_input_output_embed:
         return src, tgt, tgt
     return src, tgt, Embedding(cfg.tgt_vocab_size, cfg.embed_dim)

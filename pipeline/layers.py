@@ -84,26 +84,24 @@ def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
     it is None for tied uses that DeepSpeed does not save (it saves the first use only).
     """
     dim, dropout = cfg.embed_dim, cfg.dropout
+    scheme = build_scheme(cfg)
+    src_scale, tgt_scale = scheme.embedding_scale("encoder"), scheme.embedding_scale("decoder")
     if cfg.share_all_embeddings:
-        encoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
-        decoder_embed = TiedLayerSpec(
-            "embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, forward_fn=embed_decoder_inputs
-        )
-        output = TiedLayerSpec(
-            "embed", EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, forward_fn=project_output
-        )
+        args = (cfg.src_vocab_size, dim, dropout, src_scale)
+        encoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args)
+        decoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args, forward_fn=embed_decoder_inputs)
+        output = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args, forward_fn=project_output)
     elif cfg.share_decoder_input_output_embed:
-        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
-        decoder_embed = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout)
-        output = TiedLayerSpec(
-            "decoder_embed", DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout, forward_fn=project_output
-        )
+        args = (cfg.tgt_vocab_size, dim, dropout, tgt_scale)
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, src_scale)
+        decoder_embed = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *args)
+        output = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *args, forward_fn=project_output)
     else:
-        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout)
-        decoder_embed = LayerSpec(DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout)
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, src_scale)
+        decoder_embed = LayerSpec(DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout, tgt_scale)
         output = LayerSpec(OutputProjectionPipe, cfg.tgt_vocab_size, dim)
 
-    final_norms = build_scheme(cfg).normalize_before
+    final_norms = scheme.normalize_before
     specs: list[tuple[str | None, LayerSpec]] = [("encoder.embed_tokens", encoder_embed)]
     specs += [(f"encoder.layers.{i}", LayerSpec(EncoderLayerPipe, cfg)) for i in range(cfg.encoder_layers)]
     if final_norms:

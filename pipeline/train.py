@@ -24,6 +24,7 @@ from deepspeed.pipe import PipelineModule
 from model.config import ConfigError, ModelConfig
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
+from pipeline import admin
 from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import RunConfig, load_config
 from pipeline.corpus import BinarizedCorpus
@@ -85,6 +86,11 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         config=copy.deepcopy(cfg.deepspeed),
     )
     return engine
+
+
+def profile_batch(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatch:
+    """The first micro-batch of the run, the same on every rank."""
+    return next(MicroBatches(corpus, cfg.batch_size, cfg.train.seed))
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -179,6 +185,10 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
 
     scheme = build_scheme(cfg.model)
+    if scheme.profiled and engine.global_steps == 0:  # a resumed run has its omegas in the checkpoint
+        message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
+        if rank == 0:
+            print(f"fathom: {message}", flush=True)
     hooks: list[StepHook] = [ScheduleHook(engine.module)]
     data = MicroBatches(
         corpus,
@@ -225,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.override, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         corpus = build_corpus(cfg)
         cfg.model = with_vocab(cfg.model, corpus)
+        admin.check(cfg.model)
         save_dir = Path(cfg.train.save_dir)
         if not args.resume and (save_dir / "latest").exists():
             raise ConfigError(

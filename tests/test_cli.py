@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from model import SCHEMES
 from pipeline.translate import main as generate_main
 from tests.conftest import ROOT
 
@@ -39,3 +40,10 @@ def test_plot_metrics_writes_a_png(tmp_path):
     subprocess.run([sys.executable, "scripts/plot_metrics.py", str(tmp_path)], cwd=ROOT, check=True)
     png = (tmp_path / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_readme_scheme_table_is_the_registrys():
+    result = subprocess.run([sys.executable, "scripts/list_schemes.py"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n| `") == len(SCHEMES) > 7
+    assert result.stdout.strip() in (ROOT / "README.md").read_text(), "regenerate README's table with this script"

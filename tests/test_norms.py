@@ -1,5 +1,6 @@
 """Each norm scheme against its paper's formulas."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,15 +10,16 @@ import torch.nn.functional as F
 from model import SCHEMES, ModelConfig
 from model.config import ConfigError
 from model.layers import DecoderLayer, EncoderLayer
-from model.norms import branchnorm_alpha, deepnorm_constants, sub_ln_gain
+from model.norms import branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
 from pipeline.hooks import ScheduleHook
 
 
 def config(scheme: str, **kw) -> ModelConfig:
     base = dict(encoder_layers=3, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0)
+    base.update(src_vocab_size=30, tgt_vocab_size=30)
     base.update(kw)
-    return ModelConfig(norm_scheme=scheme, src_vocab_size=30, tgt_vocab_size=30, **base)
+    return ModelConfig(norm_scheme=scheme, **base)
 
 
 # Hand-computed from the DeepNet paper's encoder-decoder table:
@@ -59,7 +61,7 @@ def params_beside_default_init(layer_cls, cfg: ModelConfig) -> tuple[dict, dict]
     torch.manual_seed(0)
     params = dict(layer_cls(cfg).named_parameters())
     torch.manual_seed(0)
-    return params, dict(layer_cls(config("post_ln")).named_parameters())
+    return params, dict(layer_cls(dataclasses.replace(cfg, norm_scheme="post_ln")).named_parameters())
 
 
 @pytest.mark.parametrize(
@@ -111,6 +113,38 @@ def test_sub_ln_init_scales_all_but_cross_attention(layer_cls, side, hand_gain):
         torch.testing.assert_close(param, (gain if scaled else 1.0) * plain[name], rtol=1e-6, atol=0, msg=name)
 
 
+@pytest.mark.parametrize(
+    "layer_cls, side, hand_scale", [(EncoderLayer, "encoder", 0.50909), (DecoderLayer, "decoder", 0.48549)]
+)
+def test_t_fixup_init_scales_v_out_and_xavier_ffn(layer_cls, side, hand_scale):
+    """T-Fixup for N=3, M=2: encoder 0.67 N^(-1/4), decoder (9M)^(-1/4); v_proj starts from gain-1 xavier."""
+    scale = t_fixup_scale(3, 2, side)
+    assert scale == pytest.approx(hand_scale, abs=1e-5)
+    fixup, plain = params_beside_default_init(layer_cls, config("t_fixup", embed_dim=64, ffn_dim=256))
+    assert not any("layer_norm" in name for name in fixup)
+    for name, param in fixup.items():
+        leaf = name.split(".")[-2]
+        if leaf in ("fc1", "fc2"):
+            xavier_bound = math.sqrt(6 / sum(param.shape)) if param.dim() == 2 else 0.0
+            assert param.abs().max().item() <= scale * xavier_bound, name
+            if param.dim() == 2:
+                assert param.std().item() == pytest.approx(scale * xavier_bound / math.sqrt(3), rel=0.05), name
+            continue
+        factor = {"v_proj": scale * math.sqrt(2), "out_proj": scale}.get(leaf, 1.0) if name.endswith("weight") else 1
+        torch.testing.assert_close(param, factor * plain[name], rtol=1e-6, atol=0, msg=name)
+
+
+def test_t_fixup_scales_token_embeddings_per_side():
+    def embedding_std(**kw):
+        torch.manual_seed(0)
+        model = Transformer(config("t_fixup", src_vocab_size=2000, tgt_vocab_size=2000, **kw))
+        return [e.weight[4:].std().item() for e in (model.encoder.embed_tokens, model.decoder.embed_tokens)]
+
+    plain = 32**-0.5
+    assert embedding_std() == pytest.approx([0.43869 * plain, 0.48549 * plain], rel=0.03)  # (9*3), (9*2)
+    assert embedding_std(share_all_embeddings=True) == pytest.approx([0.43869 * plain] * 2, rel=0.03)
+
+
 def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a: float = 1.0) -> torch.Tensor:
     """The paper formula for each scheme, written out over the layer's own submodules."""
 
@@ -127,6 +161,9 @@ def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a:
     if residual == "pre":
         h = x + attn(ln1(x))
         return h + ffn(ln2(h))
+    if residual == "plain":  # T-Fixup: x + F(x), no LayerNorm
+        h = x + attn(x)
+        return h + ffn(h)
     if residual == "rezero":  # x + w F(x), no LayerNorm
         h = x + layer.self_attn_residual.weight * attn(x)
         return h + layer.ffn_residual.weight * ffn(h)
@@ -153,6 +190,8 @@ def test_encoder_layer_follows_formula(scheme):
         expected = manual_encoder_layer(layer, x, "post", 0.25)
     elif scheme == "sub_ln":
         expected = manual_encoder_layer(layer, x, "sub_ln")
+    elif scheme == "t_fixup":
+        expected = manual_encoder_layer(layer, x, "plain")
     elif scheme == "rezero":
         with torch.no_grad():  # away from the initial 0, where every branch is invisible
             layer.self_attn_residual.weight.fill_(0.3)

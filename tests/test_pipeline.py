@@ -8,12 +8,14 @@ import sys
 import pytest
 import torch
 
+from model import SCHEMES
+from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
 from pipeline.checkpoint import load_reference
 from pipeline.config import load_config
 from pipeline.data import MicroBatches, eval_batches
 from pipeline.hooks import ScheduleHook
-from pipeline.train import build_corpus
+from pipeline.train import build_corpus, profile_batch
 from tests.conftest import ROOT, launch
 
 pytestmark = pytest.mark.slow
@@ -50,6 +52,8 @@ CASES = {
     "branchnorm": "model.norm_scheme=branchnorm",
     "rezero": "model.norm_scheme=rezero",
     "sub_ln": "model.norm_scheme=sub_ln",
+    "admin": "model.norm_scheme=admin",
+    "t_fixup": "model.norm_scheme=t_fixup",
     "pre_ln_untied": "model.norm_scheme=pre_ln,model.share_all_embeddings=false",
     "branchnorm_decoder_tied": (
         "model.norm_scheme=branchnorm,model.share_all_embeddings=false,model.share_decoder_input_output_embed=true"
@@ -103,6 +107,24 @@ def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
     assert checked == len(list(model.parameters())) and checked > 0
 
 
+def test_admin_omegas_from_two_stages_equal_single_process(parity_runs):
+    """The profiling pass through 2 stages sets the omegas a single-process profile of the same
+    initial weights and batch sets; the run saved them beside its checkpoints."""
+    config, out, cases = parity_runs
+    cfg = load_config(config, [f"train.save_dir={out / 'admin'}", *cases["admin"].split(",")], world_size=2)
+    pipeline = load_reference(out / "admin", "before")
+    residuals = admin_residuals(pipeline)
+    pipeline_omegas = {name: m.omega.detach().clone() for name, m in residuals.items()}
+    apply_omegas(residuals, dict.fromkeys(residuals, 1.0))  # back to the model as built
+    (src, prev), _ = profile_batch(cfg, build_corpus(cfg))
+    expected = omegas_from(profile(pipeline, src, prev), cfg.model)
+    assert len(expected) == 2 * 2 + 3 * 3 and len(set(expected.values())) > 2
+    for name, omega in expected.items():
+        torch.testing.assert_close(pipeline_omegas[name], torch.full((32,), omega), rtol=1e-6, atol=0, msg=name)
+    saved = json.loads((out / "admin" / PROFILE_FILE).read_text())["omegas"]
+    assert saved == pytest.approx(expected, rel=1e-6)
+
+
 def test_each_rank_builds_only_its_own_stage(parity_runs):
     _, out, _ = parity_runs
     ranks = [json.loads((out / "post_ln" / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -149,6 +171,34 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # DeepSpeed's own monitor, enabled from the config, logs the same losses.
     csv = (tmp_path / "csv" / "full" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert len(csv) == 1 + 12 and float(csv[-1].split(",")[1]) == pytest.approx(expected[-1]["loss"], abs=1e-4)
+
+
+def test_every_scheme_resumes_exactly(tmp_path):
+    """Every scheme through the training loop (2 stages, ZeRO-1, activation checkpointing, dropout,
+    Adam), cut at step 2 and resumed, logs the uninterrupted run's losses. An Admin run given the
+    first Admin run's profile skips profiling and trains identically."""
+    common = (
+        "model.encoder_layers=2,model.decoder_layers=2,model.embed_dim=32,model.ffn_dim=64,model.branchnorm.T=4,"
+        "data.synthetic.sentences=200,train.save_interval=2,train.log_interval=1"
+    )
+    cases = {scheme: f"model.norm_scheme={scheme},{common}" for scheme in SCHEMES}
+    profile_file = tmp_path / "admin" / "full" / PROFILE_FILE
+    cases["admin_reused"] = f"model.norm_scheme=admin,model.admin.profile={profile_file},{common}"
+    args = [f"{name}={overrides}" for name, overrides in cases.items()]
+    result = launch(
+        ROOT / "tests" / "workers" / "resume.py", str(ROOT / "ds_configs" / "default.json"), str(tmp_path), "4", *args
+    )
+    assert result.returncode == 0, "the resume worker failed (its output is above)"
+
+    for case in cases:
+        full, cut = metrics(tmp_path / case / "full"), metrics(tmp_path / case / "cut")
+        assert [r["step"] for r in cut] == [1, 2, 3, 4], case
+        assert [r["loss"] for r in cut] == pytest.approx([r["loss"] for r in full], abs=1e-6), case
+    assert result.stdout.count("admin omegas profiled") == 2  # the full run and the cut run's start
+    assert f"admin omegas from {profile_file}" in result.stdout
+    reused = metrics(tmp_path / "admin_reused" / "full")
+    assert [r["loss"] for r in reused] == [r["loss"] for r in metrics(tmp_path / "admin" / "full")]
+    assert not (tmp_path / "admin_reused" / "full" / PROFILE_FILE).exists()
 
 
 def test_bf16_pipeline_trains(tmp_path):

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from model.norms import build_scheme
+from pipeline import admin
 from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import load_config
 from pipeline.data import MicroBatches
 from pipeline.hooks import ScheduleHook
-from pipeline.train import build_corpus, build_engine, init_distributed, with_vocab
+from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 
@@ -32,6 +34,9 @@ for case in args[2:]:
     if dist.get_rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+    if build_scheme(cfg.model).profiled:
+        dist.barrier()  # save_dir exists before rank 0 writes the profile into it
+        admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
     ScheduleHook(engine.module)(STEP)
     engine.save_checkpoint(str(save_dir), tag="before")
     data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())

@@ -1,0 +1,77 @@
+"""Admin's profiling pass through the pipeline engine (the formulas are in model/admin.py).
+
+Every stage records the variances of its own sublayers during one forward-only `eval_batch`;
+the records are then gathered over the stages of the pipeline, so each stage sums the variances
+of all sublayers before its own, wherever they ran, and a run with any stage count sets the
+omegas a single-process profile sets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import deepspeed
+import torch.distributed as dist
+from torch import nn
+
+from model.admin import (
+    PROFILE_FILE,
+    Variances,
+    apply_omegas,
+    load_profile,
+    omegas_from,
+    recording,
+    save_profile,
+)
+from model.config import ModelConfig
+from model.norms import AdminResidual, build_scheme
+from pipeline.data import MicroBatch
+from pipeline.layers import layer_specs
+
+
+def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResidual]:
+    """This stage's residual modules under their single-process names (the pipeline names a layer
+    by its index in the spec list: '5.ffn_residual' is encoder.layers.4.ffn_residual)."""
+    names = [name for name, _ in layer_specs(cfg)]
+    residuals = {}
+    for local, m in module.named_modules():
+        if isinstance(m, AdminResidual):
+            index, rest = local.split(".", 1)
+            residuals[f"{names[int(index)]}.{rest}"] = m
+    return residuals
+
+
+def profile_pipeline(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroBatch) -> Variances:
+    """The variances of every sublayer of the model, on every rank."""
+    with recording(stage_residuals(engine.module, cfg)) as record:
+        engine.eval_batch(iter([batch]), num_micro_batches=1)
+    stages = [None] * engine.grid.get_pipe_parallel_world_size()
+    dist.all_gather_object(stages, record, group=engine.grid.get_pipe_parallel_group())
+    return {name: values for stage in stages for name, values in stage.items()}
+
+
+def check(cfg: ModelConfig) -> None:
+    """Fails before any process trains on a model.admin.profile that does not fit the model."""
+    if cfg.norm_scheme == "admin" and build_scheme(cfg).options.profile:
+        load_profile(build_scheme(cfg).options.profile, cfg)
+
+
+def initialize(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroBatch, save_dir: Path) -> str:
+    """Sets every omega of this stage, from model.admin.profile or by profiling `batch` (then saved
+    as save_dir/admin_profile.json); returns a line saying which."""
+    reuse = build_scheme(cfg).options.profile
+    if reuse:
+        omegas = load_profile(reuse, cfg)
+        message = f"admin omegas from {reuse}"
+    else:
+        variances = profile_pipeline(engine, cfg, batch)
+        omegas = omegas_from(variances, cfg)
+        if dist.get_rank() == 0:
+            save_profile(save_dir / PROFILE_FILE, variances, omegas)
+        message = f"admin omegas profiled on {batch[1].numel()} target positions, saved to {save_dir / PROFILE_FILE}"
+    apply_omegas(stage_residuals(engine.module, cfg), omegas)
+    # ZeRO and mixed precision keep fp32 master copies that the next step would write back over
+    # the new omegas; refresh them as DeepSpeed's own module-only checkpoint load does.
+    if hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()
+    return message

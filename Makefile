@@ -10,11 +10,16 @@ M30K ?= ../shared/data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 
-.PHONY: install demo test lint format multi30k
+.PHONY: install peers demo test lint format multi30k
 
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[dev]'
+
+# torchscale, the reference the tests compare DeepNorm and Sub-LN with. Without its dependencies: its
+# pinned timm would pull torchvision and a CUDA torch, for a drop_path the tests stand in for.
+peers: install
+	$(PYTHON) -m pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
 
 demo: install
 	deepspeed --num_gpus $(GPUS) scripts/train.py --config $(CONFIG) --resume
@@ -27,7 +32,7 @@ format:
 	ruff format .
 	ruff check --fix .
 
-test: install lint
+test: install peers lint
 	$(PYTHON) -m pytest
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set, score, plot.

@@ -232,19 +232,21 @@ def deepnorm_init(layer: nn.Module, beta: float) -> None:
             nn.init.xavier_normal_(module.weight, gain=beta if leaf in BETA_SCALED else 1.0)
 
 
-def scale_projections(layer: nn.Module, factor: float, skip: str | None = None) -> None:
-    """torchscale's way: multiply the weights and biases of BETA_SCALED (outside `skip`) by factor."""
+def torchscale_init(layer: nn.Module, factor: float, skip: str | None = None) -> None:
+    """torchscale's code: PyTorch's default nn.Linear init for every projection (its attention never
+    calls its own xavier reset_parameters), then the weights and biases of BETA_SCALED outside `skip`
+    times factor."""
     with torch.no_grad():
         for name, module in layer.named_modules():
-            if skip is not None and name.startswith(skip):
+            if not isinstance(module, nn.Linear):
                 continue
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in BETA_SCALED:
+            module.reset_parameters()
+            if name.rsplit(".", 1)[-1] in BETA_SCALED and not (skip and name.startswith(skip)):
                 module.weight.mul_(factor)
                 module.bias.mul_(factor)
 
 
-# torchscale's variant keeps the default init (no xavier) and only scales BETA_SCALED by beta.
-DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": scale_projections}
+DEEPNORM_INITS = {"paper": deepnorm_init, "torchscale": torchscale_init}
 
 
 @register
@@ -252,7 +254,7 @@ class DeepNorm(NormScheme):
     name = "deepnorm"
     formula = "x = LN(alpha * x + F(x)); beta-scaled init of v_proj, out_proj, fc1, fc2"
     source = "Wang et al. 2022, DeepNet"
-    initialization = "xavier_normal, gain beta on v_proj, out_proj, fc1, fc2 (or torchscale's: weights x beta)"
+    initialization = "xavier_normal, gain beta on v_proj, out_proj, fc1, fc2 (or torchscale's: PyTorch default x beta)"
     fairseq_export = "yes, 1/alpha folded into out_proj and fc2 (LayerNorm is scale invariant)"
 
     @dataclass
@@ -289,16 +291,16 @@ class SubLN(PreLN):
     name = "sub_ln"
     formula = "x = x + F(LN(x)), F with an extra LN before out_proj (self-attention) and before fc2"
     source = "Wang et al. 2022, Foundation Transformers (Magneto); torchscale"
-    initialization = "fairseq's; v_proj, out_proj, fc1, fc2 x gamma (not cross-attention)"
+    initialization = "torchscale's: PyTorch default; v_proj, out_proj, fc1, fc2 x gamma (not cross-attention)"
     fairseq_export = "no: the inner LayerNorms need a plugin"
 
     def inner_norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
 
     def init_layer(self, layer: nn.Module, side: Side) -> None:
-        # torchscale leaves the decoder's cross-attention at its default init.
+        # torchscale leaves the decoder's cross-attention at PyTorch's default init.
         gain = sub_ln_gain(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
-        scale_projections(layer, gain, skip="encoder_attn")
+        torchscale_init(layer, gain, skip="encoder_attn")
 
 
 def t_fixup_scale(encoder_layers: int, decoder_layers: int, side: Side) -> float:

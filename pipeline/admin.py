@@ -68,7 +68,8 @@ def initialize(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroB
         omegas = omegas_from(variances, cfg)
         if dist.get_rank() == 0:
             save_profile(save_dir / PROFILE_FILE, variances, omegas)
-        message = f"admin omegas profiled on {batch[1].numel()} target positions, saved to {save_dir / PROFILE_FILE}"
+        pairs = len(batch[1])
+        message = f"admin omegas profiled on the first micro-batch ({pairs} pairs), saved to {save_dir / PROFILE_FILE}"
     apply_omegas(stage_residuals(engine.module, cfg), omegas)
     # ZeRO and mixed precision keep fp32 master copies that the next step would write back over
     # the new omegas; refresh them as DeepSpeed's own module-only checkpoint load does.

@@ -23,6 +23,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def omegas_from(variances: Variances, cfg: ModelConfig) -> dict[str, float]:
             raise ValueError(f"no variance recorded for {missing[0]} (and {len(missing) - 1} more)")
         total = variances[names[0]][0]
         omegas[names[0]] = 1.0
-        for previous, name in zip(names, names[1:], strict=False):
+        for previous, name in pairwise(names):
             total += variances[previous][1]
             omegas[name] = math.sqrt(total)
     return omegas
@@ -92,9 +93,11 @@ def apply_omegas(residuals: dict[str, AdminResidual], omegas: dict[str, float]) 
 def profile(model: nn.Module, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> Variances:
     """The profiling pass of a single-process Transformer."""
     was_training = model.training
-    with recording(admin_residuals(model)) as record, torch.no_grad():
-        model.eval()(src_tokens, prev_output_tokens)
-    model.train(was_training)
+    try:
+        with recording(admin_residuals(model)) as record, torch.no_grad():
+            model.eval()(src_tokens, prev_output_tokens)
+    finally:
+        model.train(was_training)
     return record
 
 

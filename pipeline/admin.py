@@ -41,36 +41,43 @@ def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResid
     return residuals
 
 
-def profile_pipeline(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroBatch) -> Variances:
-    """The variances of every sublayer of the model, on every rank."""
-    with recording(stage_residuals(engine.module, cfg)) as record:
+def profile_pipeline(
+    engine: deepspeed.PipelineEngine, residuals: dict[str, AdminResidual], batch: MicroBatch
+) -> Variances:
+    """The variances of every sublayer of the model, on every rank, from this stage's `residuals`."""
+    with recording(residuals) as record:
         engine.eval_batch(iter([batch]), num_micro_batches=1)
     stages = [None] * engine.grid.get_pipe_parallel_world_size()
     dist.all_gather_object(stages, record, group=engine.grid.get_pipe_parallel_group())
     return {name: values for stage in stages for name, values in stage.items()}
 
 
+def reused_profile(cfg: ModelConfig) -> str | None:
+    """model.admin.profile of an Admin model, else None."""
+    return build_scheme(cfg).options.profile if cfg.norm_scheme == "admin" else None
+
+
 def check(cfg: ModelConfig) -> None:
     """Fails before any process trains on a model.admin.profile that does not fit the model."""
-    if cfg.norm_scheme == "admin" and build_scheme(cfg).options.profile:
-        load_profile(build_scheme(cfg).options.profile, cfg)
+    if reuse := reused_profile(cfg):
+        load_profile(reuse, cfg)
 
 
 def initialize(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroBatch, save_dir: Path) -> str:
     """Sets every omega of this stage, from model.admin.profile or by profiling `batch` (then saved
     as save_dir/admin_profile.json); returns a line saying which."""
-    reuse = build_scheme(cfg).options.profile
-    if reuse:
+    residuals = stage_residuals(engine.module, cfg)
+    if reuse := reused_profile(cfg):
         omegas = load_profile(reuse, cfg)
         message = f"admin omegas from {reuse}"
     else:
-        variances = profile_pipeline(engine, cfg, batch)
+        variances = profile_pipeline(engine, residuals, batch)
         omegas = omegas_from(variances, cfg)
         if dist.get_rank() == 0:
             save_profile(save_dir / PROFILE_FILE, variances, omegas)
         pairs = len(batch[1])
         message = f"admin omegas profiled on the first micro-batch ({pairs} pairs), saved to {save_dir / PROFILE_FILE}"
-    apply_omegas(stage_residuals(engine.module, cfg), omegas)
+    apply_omegas(residuals, omegas)
     # ZeRO and mixed precision keep fp32 master copies that the next step would write back over
     # the new omegas; refresh them as DeepSpeed's own module-only checkpoint load does.
     if hasattr(engine.optimizer, "refresh_fp32_params"):

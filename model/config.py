@@ -94,6 +94,8 @@ class ModelConfig:
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
     max_positions: int = 1024
+    # fairseq's --encoder-learned-pos/--decoder-learned-pos (both): trained position tables.
+    learned_pos: bool = False
     share_all_embeddings: bool = False
     share_decoder_input_output_embed: bool = False
     norm_scheme: str = "post_ln"
@@ -131,6 +133,11 @@ class ModelConfig:
         for key in ("dropout", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key}: must be in [0, 1), got {getattr(self, key)}")
+        if self.learned_pos and self.share_all_embeddings:
+            raise ConfigError(
+                "model.learned_pos: with share_all_embeddings the encoder and decoder would share one position "
+                "table (fairseq keeps two); set one of them false"
+            )
         if self.share_all_embeddings and self.src_vocab_size != self.tgt_vocab_size:
             raise ConfigError(
                 "model.share_all_embeddings: source and target vocabularies differ "

@@ -31,24 +31,46 @@ def positions_of(tokens: torch.Tensor, padding_idx: int = PAD) -> torch.Tensor:
     return torch.cumsum(mask, dim=1) * mask + padding_idx
 
 
+def _normal_rows(table: nn.Embedding, std: float) -> None:
+    nn.init.normal_(table.weight, mean=0.0, std=std)
+    with torch.no_grad():
+        table.weight[table.padding_idx].zero_()
+
+
 class Embedding(nn.Embedding):
-    """embed(): dropout(sqrt(d) * E[tokens] + positions); project(): logits x E^T (tied output layer)."""
+    """embed(): dropout(sqrt(d) * E[tokens] + positions); project(): logits x E^T (tied output layer).
+
+    Positions are fairseq's sinusoids, or with `learned_positions` > 0 a trained table of that many
+    positions (fairseq's --encoder/decoder-learned-pos)."""
 
     def __init__(
-        self, vocab_size: int, embed_dim: int, dropout: float = 0.0, init_scale: float = 1.0, padding_idx: int = PAD
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        dropout: float = 0.0,
+        init_scale: float = 1.0,
+        learned_positions: int = 0,
+        padding_idx: int = PAD,
     ):
         super().__init__(vocab_size, embed_dim, padding_idx=padding_idx)
-        nn.init.normal_(self.weight, mean=0.0, std=init_scale * embed_dim**-0.5)
-        with torch.no_grad():
-            self.weight[padding_idx].zero_()
+        _normal_rows(self, init_scale * embed_dim**-0.5)
+        self.positions = None
+        if learned_positions:
+            # fairseq's LearnedPositionalEmbedding: rows up to padding_idx + max positions
+            self.positions = nn.Embedding(learned_positions + padding_idx + 1, embed_dim, padding_idx=padding_idx)
+            _normal_rows(self.positions, embed_dim**-0.5)
         self.scale = math.sqrt(embed_dim)
         self.dropout = nn.Dropout(dropout)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def position_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = positions_of(tokens, self.padding_idx)
+        if self.positions is not None:
+            return self.positions(positions)
         table = sinusoidal_table(int(positions.max()) + 1, self.embedding_dim, self.padding_idx)
-        x = self.scale * super().forward(tokens) + table.to(self.weight)[positions]
-        return self.dropout(x)
+        return table.to(self.weight)[positions]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.scale * super().forward(tokens) + self.position_embeddings(tokens))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

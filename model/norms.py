@@ -10,6 +10,7 @@ layers, pipeline and trainer do not change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ class PostNorm(nn.Module):
             out = self.branch_scale * out
         return layer_norm(residual + out)
 
+    def scales(self) -> tuple[float | torch.Tensor, float]:
+        """(s, b) of LN(s * x + b * F(x)): what export folds into a plain Post-LN sublayer (model/fold.py)."""
+        return self.residual_scale, self.branch_scale
+
     def extra_repr(self) -> str:
         return f"residual_scale={self.residual_scale:.6g}, branch_scale={self.branch_scale:.6g}"
 
@@ -62,6 +67,8 @@ class NormScheme:
     # model maps onto a plain fairseq Transformer.
     initialization: ClassVar[str] = "fairseq's"
     fairseq_export: ClassVar[str] = "yes, as is"
+    # The scheme a trained model folds into for export (post_ln or pre_ln); None: it cannot be.
+    plain: ClassVar[str | None] = "post_ln"
     # Pre-LN stacks end in a final LayerNorm (fairseq's encoder.layer_norm / decoder.layer_norm).
     normalize_before: ClassVar[bool] = False
     # The initialization needs a forward pass over data first (Admin's profiling, model/admin.py).
@@ -98,6 +105,10 @@ class NormScheme:
         """Step-dependent values worth logging (e.g. BranchNorm's alpha)."""
         return {}
 
+    def plain_config(self) -> ModelConfig:
+        """The plain (fairseq) model this one folds into: same shapes, `plain` scheme."""
+        return dataclasses.replace(self.cfg, norm_scheme=self.plain, schemes={})
+
 
 SCHEMES: dict[str, type[NormScheme]] = {}
 
@@ -130,6 +141,7 @@ class PreLN(NormScheme):
     formula = "x = x + F(LN(x)); final LN after each stack"
     source = "Xiong et al. 2020"
     fairseq_export = "yes, with encoder/decoder_normalize_before"
+    plain = "pre_ln"
     normalize_before = True
 
     def residual(self, side: Side) -> nn.Module:
@@ -156,6 +168,7 @@ class ReZero(NormScheme):
     source = "Bachlechner et al. 2020, ReZero"
     initialization = "fairseq's; w = 0"
     fairseq_export = "no: w and the missing LayerNorms need a plugin"
+    plain = None
 
     def residual(self, side: Side) -> nn.Module:
         return ReZeroResidual()
@@ -187,6 +200,10 @@ class AdminResidual(nn.Module):
             self.variances = (variance(x), variance(out))
         return layer_norm(x * self.omega + out)
 
+    def scales(self) -> tuple[torch.Tensor, float]:
+        """As PostNorm.scales: s = omega."""
+        return self.omega.detach(), 1.0
+
 
 @register
 class Admin(NormScheme):
@@ -204,6 +221,13 @@ class Admin(NormScheme):
 
     def residual(self, side: Side) -> nn.Module:
         return AdminResidual(self.cfg.embed_dim)
+
+    def plain_config(self) -> ModelConfig:
+        # The first sublayer's omega scales the embedding output, sinusoids included: it folds into
+        # the token table and a learned copy of the sinusoids, each stack's own (model/fold.py).
+        return dataclasses.replace(
+            super().plain_config(), learned_pos=True, share_all_embeddings=False, share_decoder_input_output_embed=False
+        )
 
 
 def deepnorm_constants(
@@ -255,7 +279,7 @@ class DeepNorm(NormScheme):
     formula = "x = LN(alpha * x + F(x)); beta-scaled init of v_proj, out_proj, fc1, fc2"
     source = "Wang et al. 2022, DeepNet"
     initialization = "xavier_normal, gain beta on v_proj, out_proj, fc1, fc2 (or torchscale's: PyTorch default x beta)"
-    fairseq_export = "yes, 1/alpha folded into out_proj and fc2 (LayerNorm is scale invariant)"
+    fairseq_export = "yes, alpha folded into the LayerNorm before each sublayer (model/fold.py)"
 
     @dataclass
     class Options:
@@ -293,6 +317,7 @@ class SubLN(PreLN):
     source = "Wang et al. 2022, Foundation Transformers (Magneto); torchscale"
     initialization = "torchscale's: PyTorch default; v_proj, out_proj, fc1, fc2 x gamma (not cross-attention)"
     fairseq_export = "no: the inner LayerNorms need a plugin"
+    plain = None
 
     def inner_norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
@@ -331,6 +356,7 @@ class TFixup(NormScheme):
         "xavier; v_proj, out_proj, fc1, fc2 x 0.67 N^-1/4 (enc), (9M)^-1/4 (dec); embeddings x (9N)^-1/4, (9M)^-1/4"
     )
     fairseq_export = "no: without LayerNorm it needs a plugin"
+    plain = None
 
     def residual(self, side: Side) -> nn.Module:
         return PreNorm()  # handed nn.Identity below: x + F(x)

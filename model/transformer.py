@@ -53,13 +53,18 @@ class Decoder(nn.Module):
         return self.output_projection.project(self.features(prev_output_tokens, encoder_out, src_tokens))
 
 
+def learned_positions(cfg: ModelConfig) -> int:
+    """Rows of a learned position table (Embedding's learned_positions); 0: sinusoids."""
+    return cfg.max_positions if cfg.learned_pos else 0
+
+
 def build_embeddings(cfg: ModelConfig) -> tuple[Embedding, Embedding, Embedding]:
     """(encoder input, decoder input, output projection) tables, shared as the config says."""
-    scheme = build_scheme(cfg)
-    src = Embedding(cfg.src_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("encoder"))
+    scheme, positions = build_scheme(cfg), learned_positions(cfg)
+    src = Embedding(cfg.src_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("encoder"), positions)
     if cfg.share_all_embeddings:
         return src, src, src
-    tgt = Embedding(cfg.tgt_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("decoder"))
+    tgt = Embedding(cfg.tgt_vocab_size, cfg.embed_dim, cfg.dropout, scheme.embedding_scale("decoder"), positions)
     if cfg.share_decoder_input_output_embed:
         return src, tgt, tgt
     return src, tgt, Embedding(cfg.tgt_vocab_size, cfg.embed_dim)
@@ -76,3 +81,17 @@ class Transformer(nn.Module):
     def forward(self, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary, (batch, target length, vocab)."""
         return self.decoder(prev_output_tokens, self.encoder(src_tokens), src_tokens)
+
+
+def module_names(cfg: ModelConfig) -> list[str]:
+    """The model's parts in forward order, by their fairseq names (tied tables under every alias)."""
+    final_norm = build_scheme(cfg).normalize_before
+    return (
+        ["encoder.embed_tokens"]
+        + [f"encoder.layers.{i}" for i in range(cfg.encoder_layers)]
+        + (["encoder.layer_norm"] if final_norm else [])
+        + ["decoder.embed_tokens"]
+        + [f"decoder.layers.{i}" for i in range(cfg.decoder_layers)]
+        + (["decoder.layer_norm"] if final_norm else [])
+        + ["decoder.output_projection"]
+    )

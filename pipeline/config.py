@@ -45,6 +45,9 @@ class TrainConfig:
     # Validation loss every this many steps (0: never); the best checkpoint is kept under tag "best".
     valid_interval: int = 0
     label_smoothing: float = 0.1
+    # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
+    # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "save_interval", "log_interval", "valid_interval"):

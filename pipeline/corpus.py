@@ -102,6 +102,14 @@ class IndexedDataset:
         return torch.from_numpy(self.data[start:stop].astype(np.int64))
 
 
+def sentencepiece_model(data: str | Path, lang: str) -> Path:
+    """The SentencePiece model for `lang` in a prepared data directory (joint or per language)."""
+    for name in (f"spm.{lang}.model", "spm.model"):
+        if (Path(data) / name).exists():
+            return Path(data) / name
+    raise ConfigError(f"{data}: no SentencePiece model (spm.model or spm.{lang}.model); run scripts/prepare_data.py")
+
+
 class BinarizedCorpus:
     """One split of a prepared data directory, as a ParallelCorpus."""
 

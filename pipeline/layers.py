@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.norms import build_scheme
+from model.transformer import learned_positions
 
 Activations = tuple[Tensor, ...]
 
@@ -84,21 +85,20 @@ def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
     it is None for tied uses that DeepSpeed does not save (it saves the first use only).
     """
     dim, dropout = cfg.embed_dim, cfg.dropout
-    scheme = build_scheme(cfg)
-    src_scale, tgt_scale = scheme.embedding_scale("encoder"), scheme.embedding_scale("decoder")
+    scheme, positions = build_scheme(cfg), learned_positions(cfg)
+    src_args = (cfg.src_vocab_size, dim, dropout, scheme.embedding_scale("encoder"), positions)
+    tgt_args = (cfg.tgt_vocab_size, dim, dropout, scheme.embedding_scale("decoder"), positions)
     if cfg.share_all_embeddings:
-        args = (cfg.src_vocab_size, dim, dropout, src_scale)
-        encoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args)
-        decoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args, forward_fn=embed_decoder_inputs)
-        output = TiedLayerSpec("embed", EncoderEmbeddingPipe, *args, forward_fn=project_output)
+        encoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *src_args)
+        decoder_embed = TiedLayerSpec("embed", EncoderEmbeddingPipe, *src_args, forward_fn=embed_decoder_inputs)
+        output = TiedLayerSpec("embed", EncoderEmbeddingPipe, *src_args, forward_fn=project_output)
     elif cfg.share_decoder_input_output_embed:
-        args = (cfg.tgt_vocab_size, dim, dropout, tgt_scale)
-        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, src_scale)
-        decoder_embed = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *args)
-        output = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *args, forward_fn=project_output)
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, *src_args)
+        decoder_embed = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *tgt_args)
+        output = TiedLayerSpec("decoder_embed", DecoderEmbeddingPipe, *tgt_args, forward_fn=project_output)
     else:
-        encoder_embed = LayerSpec(EncoderEmbeddingPipe, cfg.src_vocab_size, dim, dropout, src_scale)
-        decoder_embed = LayerSpec(DecoderEmbeddingPipe, cfg.tgt_vocab_size, dim, dropout, tgt_scale)
+        encoder_embed = LayerSpec(EncoderEmbeddingPipe, *src_args)
+        decoder_embed = LayerSpec(DecoderEmbeddingPipe, *tgt_args)
         output = LayerSpec(OutputProjectionPipe, cfg.tgt_vocab_size, dim)
 
     final_norms = scheme.normalize_before

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from tqdm import tqdm
 
 from model.config import ConfigError
 from pipeline.corpus import Dictionary, write_indexed
+from pipeline.staging import check_out, staged
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,8 +115,7 @@ def encode(processor: spm.SentencePieceProcessor, lines: list[str], desc: str) -
 
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    if out.exists() and not args.force:
-        raise ConfigError(f"{out}: already exists; pass --force to replace it")
+    check_out(out, args.force)
     if args.vocab_size < 8:
         raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
     prefixes = {"train": args.train, "valid": args.valid}
@@ -125,9 +123,7 @@ def prepare(args: argparse.Namespace) -> dict:
     splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
     train = splits[0]
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged(out) as tmp:
         print(f"training SentencePiece ({args.model_type}, {args.vocab_size} pieces) on {len(train.src)} pairs")
         try:
             if args.separate_vocab:
@@ -195,13 +191,6 @@ def prepare(args: argparse.Namespace) -> dict:
             },
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp made it private
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return meta
 
 

@@ -25,7 +25,7 @@ from model.config import ConfigError, ModelConfig
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline import admin
-from pipeline.checkpoint import CONFIG_FILE
+from pipeline.checkpoint import CONFIG_FILE, check_init_from, checkpoint_dir
 from pipeline.config import RunConfig, load_config
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
@@ -86,6 +86,14 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         config=copy.deepcopy(cfg.deepspeed),
     )
     return engine
+
+
+def load_weights(engine: deepspeed.PipelineEngine, checkpoint: Path) -> None:
+    """This stage's layers from a checkpoint's per-layer files, with DeepSpeed's own loader (which
+    also synchronizes tied weights across stages); optimizer state starts fresh."""
+    engine.module.load_state_dir(str(checkpoint), checkpoint_engine=engine.checkpoint_engine)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's fp32 master copies
+        engine.optimizer.refresh_fp32_params()
 
 
 def profile_batch(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatch:
@@ -184,8 +192,13 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
 
+    if cfg.train.init_from and engine.global_steps == 0:
+        load_weights(engine, checkpoint_dir(cfg.train.init_from))
+        if rank == 0:
+            print(f"fathom: initialized from {cfg.train.init_from}", flush=True)
     scheme = build_scheme(cfg.model)
-    if scheme.profiled and engine.global_steps == 0:  # a resumed run has its omegas in the checkpoint
+    # A resumed or initialized run has its omegas in the checkpoint.
+    if scheme.profiled and engine.global_steps == 0 and not cfg.train.init_from:
         message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         if rank == 0:
             print(f"fathom: {message}", flush=True)
@@ -236,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         corpus = build_corpus(cfg)
         cfg.model = with_vocab(cfg.model, corpus)
         admin.check(cfg.model)
+        if cfg.train.init_from:
+            check_init_from(cfg.train.init_from, cfg.model)
         save_dir = Path(cfg.train.save_dir)
         if not args.resume and (save_dir / "latest").exists():
             raise ConfigError(

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from model.config import ConfigError
 from model.search import beam_search
-from pipeline.checkpoint import load_reference
-from pipeline.corpus import BinarizedCorpus
+from pipeline.checkpoint import check_vocab, load_reference
+from pipeline.corpus import BinarizedCorpus, sentencepiece_model
 from pipeline.data import collate
 
 
@@ -43,23 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def sentencepiece_for(data: Path, lang: str) -> spm.SentencePieceProcessor:
-    for name in (f"spm.{lang}.model", "spm.model"):
-        if (data / name).exists():
-            return spm.SentencePieceProcessor(model_file=str(data / name))
-    raise ConfigError(f"{data}: no SentencePiece model (spm.model or spm.{lang}.model)")
-
-
 def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     data = Path(args.data)
     corpus = BinarizedCorpus(data, args.subset)
     model = load_reference(args.checkpoint, args.tag)
-    if (model.cfg.src_vocab_size, model.cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
-        raise ConfigError(
-            f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
-            f"trained with {model.cfg.src_vocab_size}/{model.cfg.tgt_vocab_size}; use the run's data directory"
-        )
-    detok = sentencepiece_for(data, corpus.tgt)
+    check_vocab(model.cfg, corpus, data)
+    detok = spm.SentencePieceProcessor(model_file=str(sentencepiece_model(data, corpus.tgt)))
     order = np.argsort(corpus.sources.lengths, kind="stable")  # similar lengths batch together
     hypotheses: list[str] = [""] * len(corpus)
     batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]

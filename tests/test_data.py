@@ -98,7 +98,7 @@ def test_existing_output_needs_force(tmp_path, capsys):
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    assert "already exists; pass --force" in expect_error(capsys, tmp_path, train, valid)
+    assert "already exists; choose a new --out or pass --force" in expect_error(capsys, tmp_path, train, valid)
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     prepare(tmp_path, train, valid, "--force")
     assert (tmp_path / "out" / "meta.json").exists() and not (tmp_path / "out" / "keep.txt").exists()

@@ -1,0 +1,139 @@
+"""Folding a trained model's scheme-specific scalings into a plain Post-LN / Pre-LN Transformer.
+
+Every Post-LN-family sublayer computes LN(s * x + b * F(x)), (s, b) given by its residual's
+`scales()` (s: DeepNorm's alpha, Admin's omega vector, else 1; b: BranchNorm's alpha_t, else 1):
+- b goes into the branch's last projection (out_proj, fc2).
+- s (Admin, appendix C): the module that produced x, the previous LayerNorm or, for a stack's
+  first sublayer, an embedding with learned positions, multiplies its output by s, and the
+  projections that read x divide their inputs by s, so F still sees x. Exact.
+- A scalar s behind an embedding with sinusoidal positions (DeepNorm's first sublayers): LayerNorm
+  is scale invariant, so LN(s * x + F(x)) = LN(x + F(x) / s) with eps / s^2 for eps, and 1 / s
+  goes into the last projection too. Exact but for that eps.
+Pre-LN residuals have no scales and copy as they are.
+
+The vector case rewrites the module before, so a folded module is final only once the next one
+has been folded: `folded` hands modules on one behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from model.config import ConfigError
+from model.embedding import Embedding, sinusoidal_table
+from model.layers import TransformerLayer
+from model.norms import build_scheme
+from model.transformer import Transformer, module_names
+
+# residual module: (projections reading the residual stream, the branch's last projection, LayerNorm after)
+SUBLAYERS = {
+    "self_attn_residual": (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "self_attn.out_proj",
+        "self_attn_layer_norm",
+    ),
+    "encoder_attn_residual": (("encoder_attn.q_proj",), "encoder_attn.out_proj", "encoder_attn_layer_norm"),
+    "ffn_residual": (("fc1",), "fc2", "final_layer_norm"),
+}
+
+# An omega entry this close to 0 would put a huge 1/omega into the next projections.
+SMALLEST_SCALE = 1e-6
+
+
+def scalable(producer: nn.Module | None) -> bool:
+    """Whether the module that made the residual stream can scale its output per dimension."""
+    return isinstance(producer, nn.LayerNorm) or (isinstance(producer, Embedding) and producer.positions is not None)
+
+
+def scale_output(producer: nn.Module, scale: float | torch.Tensor) -> None:
+    if isinstance(producer, Embedding):
+        producer.weight.mul_(scale)
+        producer.positions.weight.mul_(scale)
+    else:
+        producer.weight.mul_(scale)
+        producer.bias.mul_(scale)
+
+
+class Folder:
+    """Loads each module of a trained model into its counterpart in the plain model, in model order."""
+
+    def __init__(self) -> None:
+        self.producer: nn.Module | None = None  # whose output the residual stream currently is
+
+    @torch.no_grad()
+    def fold(self, original: nn.Module, plain: nn.Module) -> None:
+        if isinstance(original, Embedding):
+            plain.weight.copy_(original.weight)
+            if plain.positions is not None:
+                rows, dim = plain.positions.weight.shape
+                source = original.positions.weight if original.positions is not None else sinusoidal_table(rows, dim)
+                plain.positions.weight.copy_(source)
+        elif isinstance(original, TransformerLayer):
+            plain_keys = plain.state_dict().keys()
+            plain.load_state_dict({k: v for k, v in original.state_dict().items() if k in plain_keys})
+            for residual, (inputs, output, layer_norm) in SUBLAYERS.items():
+                if hasattr(original, residual):
+                    self._fold_sublayer(plain, getattr(original, residual), inputs, output)
+                    self.producer = plain.get_submodule(layer_norm)
+            return
+        else:  # a stack's final LayerNorm (Pre-LN)
+            plain.load_state_dict(original.state_dict())
+        self.producer = plain
+
+    def _fold_sublayer(self, plain: nn.Module, residual: nn.Module, inputs: tuple[str, ...], output: str) -> None:
+        if not hasattr(residual, "scales"):  # Pre-LN: nothing to fold
+            return
+        stream, branch = residual.scales()
+        factor = branch
+        if isinstance(stream, torch.Tensor) or stream != 1.0:
+            if scalable(self.producer):  # exact
+                check_invertible(stream)
+                scale_output(self.producer, stream)
+                for name in inputs:
+                    plain.get_submodule(name).weight.div_(stream)
+            elif isinstance(stream, torch.Tensor):  # the scheme's plain_config must give learned positions
+                raise TypeError(f"cannot fold a per-dimension scale into {type(self.producer).__name__}")
+            else:  # behind sinusoidal positions: scale invariance, exact but for LayerNorm's eps
+                factor = branch / stream
+        if factor != 1.0:
+            projection = plain.get_submodule(output)
+            projection.weight.mul_(factor)
+            projection.bias.mul_(factor)
+
+
+def check_invertible(scale: float | torch.Tensor) -> None:
+    smallest = torch.as_tensor(scale).abs().min().item()
+    if smallest < SMALLEST_SCALE:
+        raise ConfigError(
+            f"a residual scale has an entry near 0 ({smallest:.3g}); its reciprocal cannot be folded into a plain "
+            "Transformer"
+        )
+
+
+Key = TypeVar("Key")
+
+
+def folded(modules: Iterable[tuple[Key, nn.Module, nn.Module]]) -> Iterator[tuple[Key, nn.Module]]:
+    """(key, trained module, plain module) in model order -> (key, folded plain module), each handed
+    on once final: after the next module's fold, which may rescale its output."""
+    folder, pending = Folder(), None
+    for key, original, plain in modules:
+        folder.fold(original, plain)
+        if pending is not None:
+            yield pending
+        pending = (key, plain)
+    if pending is not None:
+        yield pending
+
+
+def fold_model(model: Transformer) -> Transformer:
+    """The plain Transformer computing what `model` (at its current step) computes."""
+    plain = Transformer(build_scheme(model.cfg).plain_config())
+    names = module_names(model.cfg)
+    for _ in folded((n, model.get_submodule(n), plain.get_submodule(n)) for n in names):
+        pass
+    return plain.eval()

@@ -1,0 +1,303 @@
+"""Export a pipeline checkpoint as a plain fairseq Transformer checkpoint.
+
+    python scripts/convert_to_fairseq.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --out OUT
+
+OUT gets checkpoint.pt (fairseq's `model` state dict and `cfg`: arch transformer, translation
+task), dict.SRC.txt, dict.TGT.txt and the SentencePiece model(s): what fairseq-generate,
+fairseq-interactive and checkpoint_utils.load_model_ensemble_and_task need.
+
+The checkpoint is read one pipeline layer file at a time, in the order of the spec list, and each
+layer is folded into its plain fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
+never held twice. A batch of the data's validation pairs runs through the trained layers and the
+folded ones side by side, and the summary reports the largest log-probability difference.
+Everything is written to a temporary directory beside OUT and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import nn
+from tqdm import tqdm
+
+from model.config import PAD, ConfigError, ModelConfig
+from model.fold import folded
+from model.norms import SCHEMES, build_scheme
+from pipeline.checkpoint import (
+    check_vocab,
+    checkpoint_dir,
+    global_step,
+    layer_file,
+    missing_layer_files,
+    model_config,
+)
+from pipeline.corpus import BinarizedCorpus, sentencepiece_model
+from pipeline.data import collate
+from pipeline.hooks import ScheduleHook
+from pipeline.layers import layer_specs
+from pipeline.staging import check_out, staged
+
+CHECKPOINT = "checkpoint.pt"
+SUMMARY = "fathom_export.json"
+CHECK_PAIRS = 16  # validation pairs run through both models
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
+    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
+    parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
+    parser.add_argument(
+        "--splits", nargs="*", default=None, help="splits to write for fairseq-generate (default: all but train)"
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    return parser.parse_args(argv)
+
+
+def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
+    """fairseq's model arguments (arch `transformer`); it fills the rest from its base_architecture."""
+    sides = {
+        "layers": (cfg.encoder_layers, cfg.decoder_layers),
+        "embed_dim": (cfg.embed_dim, cfg.embed_dim),
+        "ffn_embed_dim": (cfg.ffn_dim, cfg.ffn_dim),
+        "attention_heads": (cfg.attention_heads, cfg.attention_heads),
+        "normalize_before": (build_scheme(cfg).normalize_before,) * 2,
+        "learned_pos": (cfg.learned_pos, cfg.learned_pos),
+    }
+    return argparse.Namespace(
+        _name="transformer",
+        arch="transformer",
+        **{f"encoder_{key}": encoder for key, (encoder, _) in sides.items()},
+        **{f"decoder_{key}": decoder for key, (_, decoder) in sides.items()},
+        activation_fn="relu",
+        dropout=cfg.dropout,
+        attention_dropout=cfg.attention_dropout,
+        activation_dropout=cfg.activation_dropout,
+        share_all_embeddings=cfg.share_all_embeddings,
+        share_decoder_input_output_embed=cfg.share_decoder_input_output_embed or cfg.share_all_embeddings,
+        max_source_positions=cfg.max_positions,
+        max_target_positions=cfg.max_positions,
+        no_scale_embedding=False,
+        layernorm_embedding=False,
+        no_token_positional_embeddings=False,
+    )
+
+
+def fairseq_key(module: str, key: str) -> str:
+    """Our parameter name -> fairseq's (the only difference: learned positions live beside the tokens)."""
+    if key == "positions.weight":
+        return f"{module.split('.')[0]}.embed_positions.weight"
+    return f"{module}.{key}"
+
+
+def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """Adds the entries fairseq expects beyond the weights: tied aliases, versions, position buffers."""
+    if cfg.share_all_embeddings:
+        state["decoder.embed_tokens.weight"] = state["encoder.embed_tokens.weight"]
+    if cfg.share_all_embeddings or cfg.share_decoder_input_output_embed:
+        state["decoder.output_projection.weight"] = state["decoder.embed_tokens.weight"]
+    for side in ("encoder", "decoder"):
+        # without the version fairseq's upgrade drops the final LayerNorm of a Pre-LN model
+        state[f"{side}.version"] = torch.tensor([3.0])
+        if not cfg.learned_pos:
+            state[f"{side}.embed_positions._float_tensor"] = torch.FloatTensor(1)
+
+
+class SpecRunner:
+    """Runs a batch through a pipeline spec list one layer at a time, as the pipeline would."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]):
+        self.activations: tuple[torch.Tensor, ...] | torch.Tensor = inputs
+
+    @torch.no_grad()
+    def __call__(self, spec: LayerSpec, module: nn.Module) -> None:
+        forward_fn = getattr(spec, "forward_fn", None)
+        self.activations = forward_fn(module, self.activations) if forward_fn else module(self.activations)
+
+    def log_probs(self) -> torch.Tensor:
+        return F.log_softmax(self.activations.float(), dim=-1)
+
+
+class Modules:
+    """Builds the module of each spec in turn; tied specs reuse the module of their first use."""
+
+    def __init__(self) -> None:
+        self.tied: dict[str, nn.Module] = {}
+
+    def __call__(self, spec: LayerSpec) -> nn.Module:
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied:
+                self.tied[spec.key] = spec.build().eval()
+            return self.tied[spec.key]
+        return spec.build().eval()
+
+
+def write_raw_split(data: Path, split: str, out: Path) -> None:
+    """A split as fairseq's raw text dataset (--dataset-impl raw): SPLIT.SRC-TGT.LANG, one line of
+    space-separated pieces per sentence, so fairseq-generate reads exactly our token ids."""
+    corpus = BinarizedCorpus(data, split)
+    for lang, sentences, dictionary in (
+        (corpus.src, corpus.sources, corpus.src_dict),
+        (corpus.tgt, corpus.targets, corpus.tgt_dict),
+    ):
+        lines = (" ".join(dictionary.symbols[i] for i in sentences[n].tolist()) + "\n" for n in range(len(corpus)))
+        (out / f"{split}.{corpus.src}-{corpus.tgt}.{lang}").write_text("".join(lines), encoding="utf-8")
+
+
+def load_layer(path: Path, module: nn.Module) -> None:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        module.load_state_dict(state)
+    except (RuntimeError, EOFError, OSError) as err:
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"{path}: cannot load ({reason}); the checkpoint is damaged or from another model") from None
+
+
+@dataclass
+class Export:
+    save_dir: Path
+    checkpoint: Path
+    cfg: ModelConfig
+    plain: ModelConfig
+    step: int
+
+    @classmethod
+    def open(cls, save_dir: str | Path, tag: str | None) -> Export:
+        """Checks everything about the checkpoint that can be checked before reading its layers."""
+        cfg = model_config(save_dir)
+        scheme = build_scheme(cfg)
+        if scheme.plain is None:
+            raise ConfigError(
+                f"model.norm_scheme '{cfg.norm_scheme}' cannot be exported to a plain fairseq Transformer "
+                f"({scheme.fairseq_export}); schemes that can: "
+                + ", ".join(name for name, s in SCHEMES.items() if s.plain is not None)
+            )
+        checkpoint = checkpoint_dir(save_dir, tag)
+        missing_layer_files(cfg, checkpoint)
+        return cls(Path(save_dir), checkpoint, cfg, scheme.plain_config(), global_step(checkpoint))
+
+    def folded_layers(
+        self, inputs: tuple[torch.Tensor, ...], trained: SpecRunner
+    ) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
+        """((plain name, plain spec), folded plain module) in spec order; `trained` runs the trained layers."""
+        specs, plain_specs = layer_specs(self.cfg), layer_specs(self.plain)
+        modules, plain_modules = Modules(), Modules()
+
+        def pairs():
+            for index, ((name, spec), plain) in enumerate(zip(specs, plain_specs, strict=True)):
+                module = modules(spec)
+                if name is not None:
+                    load_layer(layer_file(self.checkpoint, index), module)
+                ScheduleHook(module)(self.step)  # BranchNorm's alpha_t at the checkpoint's step
+                trained(spec, module)
+                yield plain, module, plain_modules(plain[1])
+
+        yield from folded(pairs())
+
+    def write(
+        self, out: Path, data: Path, final: Path, splits: list[str], check_pairs: int = CHECK_PAIRS
+    ) -> dict[str, object]:
+        """Writes the fairseq directory into `out`, to be renamed to `final`; returns the summary."""
+        corpus = BinarizedCorpus(data, "valid")
+        check_vocab(self.cfg, corpus, data)
+        spm_files = sorted({sentencepiece_model(data, lang) for lang in (corpus.src, corpus.tgt)})
+        batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
+        trained, plain = SpecRunner(batch), SpecRunner(batch)
+        state: dict[str, torch.Tensor] = {}
+        layers = self.folded_layers(batch, trained)
+        total = len(layer_specs(self.cfg))
+        for (name, spec), module in tqdm(layers, total=total, desc="converting", unit="layer", file=sys.stderr):
+            plain(spec, module)
+            if name is not None:
+                for key, value in module.state_dict().items():
+                    state[fairseq_key(name, key)] = value
+        fairseq_extras(self.plain, state)
+        # Over real target positions: a pad position's state is never read, and eps dominates there.
+        real = batch[1].ne(PAD)
+        difference = (trained.log_probs() - plain.log_probs()).abs()[real].max().item()
+
+        summary = {
+            "checkpoint": str(self.checkpoint),
+            "step": self.step,
+            "norm_scheme": self.cfg.norm_scheme,
+            "fairseq_layout": self.plain.norm_scheme,
+            "encoder_layers": self.cfg.encoder_layers,
+            "decoder_layers": self.cfg.decoder_layers,
+            "parameters": sum(
+                {v.data_ptr(): v.numel() for k, v in state.items() if k.endswith(("weight", "bias"))}.values()
+            ),
+            "max_abs_log_prob_difference": difference,
+            "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
+        }
+        torch.save(
+            {
+                "cfg": {
+                    "_name": None,
+                    "model": fairseq_args(self.plain),
+                    "task": {
+                        "_name": "translation",
+                        "data": str(final.resolve()),
+                        "source_lang": corpus.src,
+                        "target_lang": corpus.tgt,
+                    },
+                },
+                "model": state,
+                "optimizer_history": [
+                    {
+                        "criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                        "optimizer_name": "Adam",
+                        "lr_scheduler_state": {},
+                        "num_updates": self.step,
+                    }
+                ],
+                "extra_state": {"fathom": summary},
+                "last_optimizer_state": None,
+            },
+            out / CHECKPOINT,
+        )
+        for lang in (corpus.src, corpus.tgt):
+            shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
+        for path in spm_files:
+            shutil.copy(path, out / path.name)
+        for split in splits:
+            write_raw_split(data, split, out)
+        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def convert(args: argparse.Namespace) -> dict[str, object]:
+    out = Path(args.out)
+    check_out(out, args.force)
+    export = Export.open(args.checkpoint, args.tag)
+    if args.splits is None:
+        args.splits = [s for s in BinarizedCorpus(args.data, "valid").meta["splits"] if s != "train"]
+    with staged(out) as staging:
+        return export.write(staging, Path(args.data), out, args.splits)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        summary = convert(args)
+    except ConfigError as err:
+        print(f"fathom: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        f"wrote {Path(args.out) / CHECKPOINT}: {summary['norm_scheme']} at step {summary['step']} as a fairseq "
+        f"transformer ({summary['fairseq_layout']}), {summary['encoder_layers']}L-{summary['decoder_layers']}L, "
+        f"{summary['parameters']:,} parameters"
+    )
+    print(
+        f"folding changed log-probabilities by at most {summary['max_abs_log_prob_difference']:.2e} "
+        f"({summary['checked_on']})"
+    )

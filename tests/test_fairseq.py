@@ -1,0 +1,352 @@
+"""Export to fairseq and import back, checked against real fairseq 0.12.2, run from its own Python 3.10
+environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from model.fold import fold_model
+from model.norms import SCHEMES
+from pipeline import from_fairseq, to_fairseq
+from pipeline.checkpoint import load_reference
+from pipeline.corpus import BinarizedCorpus
+from pipeline.data import collate
+from tests.conftest import ROOT, launch
+
+EXPORTED = ["post_ln", "pre_ln", "deepnorm", "branchnorm", "admin"]
+SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
+# Enough training for real (if poor) sentences, so equal hypotheses mean something.
+STEPS = (
+    "train.max_steps=100,train.save_interval=100,train.log_interval=100,optimizer.params.lr=0.003,"
+    "scheduler.params.warmup_max_lr=0.003,scheduler.params.warmup_num_steps=10,"
+    "train_micro_batch_size_per_gpu=16,gradient_accumulation_steps=2"
+)
+# The three ways of sharing embeddings over the schemes; BranchNorm stops at alpha_t = 0.5.
+CASES = {
+    "post_ln": f"model.norm_scheme=post_ln,model.share_decoder_input_output_embed=true,{SMALL},{STEPS}",
+    "pre_ln": f"model.norm_scheme=pre_ln,model.share_all_embeddings=true,{SMALL},{STEPS}",
+    "deepnorm": f"model.norm_scheme=deepnorm,{SMALL},{STEPS}",
+    "branchnorm": f"model.norm_scheme=branchnorm,model.branchnorm.T=200,model.share_all_embeddings=true,"
+    f"{SMALL},{STEPS}",
+    "admin": f"model.norm_scheme=admin,model.share_all_embeddings=true,{SMALL},{STEPS}",
+    # 107 pipeline layers: files layer_100-... and up sort after layer_99 only numerically
+    "deep": "model.norm_scheme=post_ln,model.encoder_layers=52,model.decoder_layers=52,model.embed_dim=16,"
+    "model.ffn_dim=32,model.attention_heads=2,train.max_steps=1",
+}
+TOLERANCE = 1e-4  # the issue's bound on log-probability differences against fairseq
+# Barely trained models can repeat themselves up to the length limit: 40 pieces (not 200) bounds the time.
+MAX_LEN = "40"
+
+
+def convert_to(run: Path, data: Path, out: Path, *extra: str) -> None:
+    to_fairseq.main(["--checkpoint", str(run), "--data", str(data), "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="session")
+def fairseq_bin() -> Path:
+    """bin/ of the cached fairseq 0.12.2 environment (built on first use: a few minutes)."""
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_fairseq_env.sh")], capture_output=True, text=True, timeout=1800
+    )
+    assert result.returncode == 0, f"setting up fairseq failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return Path(result.stdout.strip().splitlines()[-1]) / "bin"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, multi30k_slice) -> Path:
+    """Every case trained with 2 pipeline stages on real Multi30k pairs (one launch)."""
+    out = tmp_path_factory.mktemp("runs")
+    cases = [f"{name}={overrides},data.path={multi30k_slice}" for name, overrides in CASES.items()]
+    result = launch(
+        ROOT / "tests" / "workers" / "train_cases.py", str(ROOT / "ds_configs" / "default.json"), str(out), *cases
+    )
+    assert result.returncode == 0, "the training worker failed (its output is above)"
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(runs, multi30k_slice, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("exported")
+    for case in CASES:
+        convert_to(runs / case, multi30k_slice, out / case)
+    return {case: out / case for case in CASES}
+
+
+def sample_batch(data: Path, pairs: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    corpus = BinarizedCorpus(data, "test")
+    (src, prev), _ = collate([corpus.pair(i) for i in range(pairs)])
+    return src, prev
+
+
+def our_log_probs(save_dir: Path, src: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(load_reference(save_dir)(src, prev), dim=-1)
+
+
+def fairseq_log_probs(
+    fairseq_bin: Path, checkpoints: dict[str, Path], batch, tmp_path: Path
+) -> dict[str, torch.Tensor]:
+    """Log-probabilities from fairseq's own model, loaded strictly by its own loader."""
+    torch.save(batch, tmp_path / "inputs.pt")
+    args = [arg for name, path in checkpoints.items() for arg in (str(path), str(tmp_path / f"{name}.lp.pt"))]
+    result = subprocess.run(
+        [
+            str(fairseq_bin / "python"),
+            str(ROOT / "tests" / "workers" / "fairseq_logprobs.py"),
+            str(tmp_path / "inputs.pt"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: torch.load(tmp_path / f"{name}.lp.pt") for name in checkpoints}
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor, prev: torch.Tensor) -> float:
+    """Over real target positions (the models may differ on padding, which no loss or search reads)."""
+    return (a - b).abs()[prev.ne(1)].max().item()
+
+
+@pytest.mark.slow
+def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
+    """fairseq's load_model_ensemble_and_task (strict) takes every exported checkpoint, the >100-layer
+    one included, and its log-probabilities equal ours within 1e-4."""
+    src, prev = sample_batch(multi30k_slice)
+    theirs = fairseq_log_probs(fairseq_bin, {c: exported[c] / "checkpoint.pt" for c in CASES}, (src, prev), tmp_path)
+    for case in CASES:
+        ours = our_log_probs(runs / case, src, prev)
+        assert max_difference(ours, theirs[case], prev) < TOLERANCE, case
+        summary = json.loads((exported[case] / to_fairseq.SUMMARY).read_text())
+        assert summary["max_abs_log_prob_difference"] < TOLERANCE, case
+    assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
+
+
+@pytest.mark.slow
+def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
+    """fairseq-generate (beam 4, lenpen 0.6) on the exported test split = our generate.py, sentence by sentence."""
+    detok = spm.SentencePieceProcessor(model_file=str(multi30k_slice / "spm.model"))
+    distinct = set()
+    for case in EXPORTED:
+        ours_file = tmp_path / f"{case}.ours.txt"
+        result = subprocess.run(
+            [
+                "python",
+                str(ROOT / "scripts" / "generate.py"),
+                "--checkpoint",
+                str(runs / case),
+                "--data",
+                str(multi30k_slice),
+            ]
+            + [
+                "--subset",
+                "test",
+                "--beam",
+                "4",
+                "--lenpen",
+                "0.6",
+                "--max-len-b",
+                MAX_LEN,
+                "--output",
+                str(ours_file),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        result = subprocess.run(
+            [
+                str(fairseq_bin / "fairseq-generate"),
+                str(exported[case]),
+                "--path",
+                str(exported[case] / "checkpoint.pt"),
+            ]
+            + ["--dataset-impl", "raw", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--cpu"]
+            + ["--batch-size", "64", "--max-len-b", MAX_LEN],
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        theirs = {}
+        for line in result.stdout.splitlines():
+            if line.startswith("H-"):
+                index, _, pieces = line.split("\t")
+                theirs[int(index[2:])] = detok.decode_pieces(pieces.split())
+        ours = ours_file.read_text(encoding="utf-8").splitlines()
+        assert len(theirs) == len(ours) == 50, case
+        assert sum(map(bool, ours)) > 40, case
+        assert [theirs[i] for i in range(len(ours))] == ours, case
+        distinct.update(ours)
+    assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
+
+
+@pytest.mark.slow
+def test_exports_import_back(exported, runs, multi30k_slice, tmp_path):
+    """fairseq -> ours: a Post-LN or Pre-LN export comes back with the very same weights; a folded
+    scheme comes back as the plain model that computes what it computed."""
+    src, prev = sample_batch(multi30k_slice)
+    for case in EXPORTED:
+        back = tmp_path / case
+        from_fairseq.main(["--checkpoint", str(exported[case] / "checkpoint.pt"), "--out", str(back)])
+        imported, original = load_reference(back), load_reference(runs / case)
+        if case in ("post_ln", "pre_ln"):
+            assert imported.state_dict().keys() == original.state_dict().keys()
+            for key, value in original.state_dict().items():
+                assert torch.equal(imported.state_dict()[key], value), (case, key)
+        plain = fold_model(original)
+        assert imported.cfg == plain.cfg, case
+        assert max_difference(our_log_probs(back, src, prev), our_log_probs(runs / case, src, prev), prev) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_slice, fairseq_bin, tmp_path):
+    """A model trained by fairseq-train itself (Pre-LN, learned positions) imports with equal
+    log-probabilities, and a 2-stage run started from it (train.init_from) holds its weights."""
+    data = tmp_path / "fairseq-data"  # an export's dictionaries, with the training split added
+    shutil.copytree(exported["post_ln"], data)
+    to_fairseq.write_raw_split(multi30k_slice, "train", data)
+    result = subprocess.run(
+        [str(fairseq_bin / "fairseq-train"), str(data), "--dataset-impl", "raw", "--arch", "transformer"]
+        + ["--encoder-layers", "2", "--decoder-layers", "3", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32"]
+        + ["--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4"]
+        + ["--decoder-attention-heads", "4", "--encoder-normalize-before", "--decoder-normalize-before"]
+        + ["--encoder-learned-pos", "--decoder-learned-pos", "--share-decoder-input-output-embed"]
+        + ["--optimizer", "adam", "--lr", "0.001", "--max-tokens", "2000", "--max-update", "5", "--cpu"]
+        + ["--save-dir", str(tmp_path / "fs"), "--no-epoch-checkpoints", "--disable-validation", "--seed", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    fairseq_checkpoint = tmp_path / "fs" / "checkpoint_last.pt"
+    imported = tmp_path / "imported"
+    from_fairseq.main(["--checkpoint", str(fairseq_checkpoint), "--out", str(imported)])
+
+    src, prev = sample_batch(multi30k_slice)
+    theirs = fairseq_log_probs(fairseq_bin, {"trained": fairseq_checkpoint}, (src, prev), tmp_path)["trained"]
+    assert max_difference(our_log_probs(imported, src, prev), theirs, prev) < TOLERANCE
+
+    # lr 0: one step changes nothing, so the run's checkpoint must hold exactly the imported weights
+    run = tmp_path / "run"
+    overrides = (
+        f"model.norm_scheme=pre_ln,model.encoder_layers=2,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,"
+        f"model.attention_heads=4,model.learned_pos=true,model.share_decoder_input_output_embed=true,"
+        f"data.path={multi30k_slice},train.init_from={imported},train.max_steps=1,scheduler.params.warmup_max_lr=0"
+    )
+    result = launch(
+        ROOT / "tests" / "workers" / "train_cases.py",
+        str(ROOT / "ds_configs" / "default.json"),
+        str(tmp_path),
+        f"run={overrides}",
+    )
+    assert result.returncode == 0, "the training worker failed (its output is above)"
+    assert f"initialized from {imported}" in result.stdout
+    trained, start = load_reference(run).state_dict(), load_reference(imported).state_dict()
+    for key, value in start.items():
+        assert torch.equal(trained[key], value), key
+
+
+def failure(capsys, main, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # a progress bar may come first
+    errors = [line for line in err if "error" in line.lower()]
+    assert len(errors) == 1 and err[-1] == errors[0] and errors[0].startswith("fathom: error: "), err
+    return errors[0]
+
+
+def write_run_config(save_dir: Path, **model) -> Path:
+    save_dir.mkdir(parents=True)
+    model = {"encoder_layers": 2, "decoder_layers": 2, "src_vocab_size": 16, "tgt_vocab_size": 16, **model}
+    (save_dir / "config.json").write_text(json.dumps({"model": model}))
+    return save_dir
+
+
+@pytest.mark.parametrize("scheme", [name for name, s in SCHEMES.items() if s.plain is None])
+def test_unexportable_scheme_is_refused(scheme, tmp_path, capsys, multi30k_slice):
+    run = write_run_config(tmp_path / "run", norm_scheme=scheme)
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(run), "--data", str(multi30k_slice), "--out", str(tmp_path / "out")
+    )
+    assert f"'{scheme}' cannot be exported" in message and "post_ln" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_export_inputs_fail_in_one_line(tmp_path, capsys, multi30k_slice):
+    out = tmp_path / "out"
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(tmp_path), "--data", str(multi30k_slice), "--out", str(out)
+    )
+    assert "not a training directory" in message
+    run = write_run_config(tmp_path / "run", norm_scheme="post_ln")
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(run), "--data", str(multi30k_slice), "--out", str(out)
+    )
+    assert "no 'latest' file" in message
+    message = failure(
+        capsys,
+        to_fairseq.main,
+        "--checkpoint",
+        str(run),
+        "--tag",
+        "global_step9",
+        "--data",
+        str(multi30k_slice),
+        "--out",
+        str(out),
+    )
+    assert "no checkpoint tagged 'global_step9'" in message
+    assert not out.exists()
+    message = failure(capsys, from_fairseq.main, "--checkpoint", str(tmp_path / "missing.pt"), "--out", str(out))
+    assert "no such file" in message
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    message = failure(capsys, from_fairseq.main, "--checkpoint", str(tmp_path / "junk.pt"), "--out", str(out))
+    assert "not a loadable fairseq checkpoint" in message
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pt", "run"]  # no staging left behind
+
+
+@pytest.mark.slow
+def test_bad_checkpoints_and_data_fail_in_one_line(runs, multi30k_slice, tmp_path, capsys):
+    out = tmp_path / "out"
+    wrong_data = tmp_path / "data"
+    shutil.copytree(multi30k_slice, wrong_data)
+    lines = (wrong_data / "dict.de.txt").read_text().splitlines()
+    (wrong_data / "dict.de.txt").write_text("\n".join(lines[:-8]) + "\n")
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(runs / "post_ln"), "--data", str(wrong_data), "--out", str(out)
+    )
+    assert "dictionaries have" in message and "use the run's data directory" in message
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs / "post_ln", damaged)
+    layer = damaged / "global_step100" / "layer_03-model_states.pt"
+    layer.write_bytes(layer.read_bytes()[:100])
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(damaged), "--data", str(multi30k_slice), "--out", str(out)
+    )
+    assert "layer_03-model_states.pt: cannot load" in message
+    layer.unlink()
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(damaged), "--data", str(multi30k_slice), "--out", str(out)
+    )
+    assert "layer files missing (first layer_03-model_states.pt)" in message
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    message = failure(
+        capsys, to_fairseq.main, "--checkpoint", str(runs / "post_ln"), "--data", str(multi30k_slice), "--out", str(out)
+    )
+    assert "already exists" in message
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "data", "out"]  # no staging left behind

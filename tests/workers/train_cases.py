@@ -1,0 +1,19 @@
+"""Launched by the tests under `deepspeed --num_gpus 2`: trains one run per case into OUT/CASE.
+
+Usage: train_cases.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
+"""
+
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.train import build_corpus, train, with_vocab
+
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+config_path, out = args[0], Path(args[1])
+for case in args[2:]:
+    name, _, overrides = case.partition("=")
+    cfg = load_config(config_path, [f"train.save_dir={out / name}", *overrides.split(",")], world_size=2)
+    corpus = build_corpus(cfg)
+    cfg.model = with_vocab(cfg.model, corpus)
+    train(cfg, corpus, resume=False)

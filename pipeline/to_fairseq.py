@@ -4,7 +4,9 @@
 
 OUT gets checkpoint.pt (fairseq's `model` state dict and `cfg`: arch transformer, translation
 task), dict.SRC.txt, dict.TGT.txt and the SentencePiece model(s): what fairseq-generate,
-fairseq-interactive and checkpoint_utils.load_model_ensemble_and_task need.
+fairseq-interactive and checkpoint_utils.load_model_ensemble_and_task need; the data's splits
+but train as fairseq raw text (SPLIT.SRC-TGT.LANG, for fairseq-generate --dataset-impl raw); and
+fathom_export.json, the summary.
 
 The checkpoint is read one pipeline layer file at a time, in the order of the spec list, and each
 layer is folded into its plain fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
@@ -163,9 +165,38 @@ def load_layer(path: Path, module: nn.Module) -> None:
         raise ConfigError(f"{path}: cannot load ({reason}); the checkpoint is damaged or from another model") from None
 
 
+def fairseq_checkpoint(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], corpus: BinarizedCorpus, data_dir: Path, summary: dict
+) -> dict:
+    """What fairseq's checkpoint_utils reads: the model's args (as fairseq-train saves them, a
+    Namespace under cfg.model), the translation task, the weights and an optimizer history."""
+    return {
+        "cfg": {
+            "_name": None,
+            "model": fairseq_args(cfg),
+            "task": {
+                "_name": "translation",
+                "data": str(data_dir.resolve()),
+                "source_lang": corpus.src,
+                "target_lang": corpus.tgt,
+            },
+        },
+        "model": state,
+        "optimizer_history": [
+            {
+                "criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                "optimizer_name": "Adam",
+                "lr_scheduler_state": {},
+                "num_updates": summary["step"],
+            }
+        ],
+        "extra_state": {"fathom": summary},
+        "last_optimizer_state": None,
+    }
+
+
 @dataclass
 class Export:
-    save_dir: Path
     checkpoint: Path
     cfg: ModelConfig
     plain: ModelConfig
@@ -184,17 +215,15 @@ class Export:
             )
         checkpoint = checkpoint_dir(save_dir, tag)
         missing_layer_files(cfg, checkpoint)
-        return cls(Path(save_dir), checkpoint, cfg, scheme.plain_config(), global_step(checkpoint))
+        return cls(checkpoint, cfg, scheme.plain_config(), global_step(checkpoint))
 
-    def folded_layers(
-        self, inputs: tuple[torch.Tensor, ...], trained: SpecRunner
-    ) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
+    def folded_layers(self, trained: SpecRunner) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
         """((plain name, plain spec), folded plain module) in spec order; `trained` runs the trained layers."""
-        specs, plain_specs = layer_specs(self.cfg), layer_specs(self.plain)
         modules, plain_modules = Modules(), Modules()
 
         def pairs():
-            for index, ((name, spec), plain) in enumerate(zip(specs, plain_specs, strict=True)):
+            specs = zip(layer_specs(self.cfg), layer_specs(self.plain), strict=True)
+            for index, ((name, spec), plain) in enumerate(specs):
                 module = modules(spec)
                 if name is not None:
                     load_layer(layer_file(self.checkpoint, index), module)
@@ -204,6 +233,28 @@ class Export:
 
         yield from folded(pairs())
 
+    def fairseq_state(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """The folded model's fairseq state dict, and its largest log-probability difference from the
+        trained model on `batch`, over real target positions (eps dominates a pad position's state,
+        which nothing reads)."""
+        trained, plain = SpecRunner(batch), SpecRunner(batch)
+        state: dict[str, torch.Tensor] = {}
+        layers = tqdm(
+            self.folded_layers(trained),
+            total=len(layer_specs(self.cfg)),
+            desc="converting",
+            unit="layer",
+            file=sys.stderr,
+        )
+        for (name, spec), module in layers:
+            plain(spec, module)
+            if name is not None:
+                for key, value in module.state_dict().items():
+                    state[fairseq_key(name, key)] = value
+        fairseq_extras(self.plain, state)
+        real = batch[1].ne(PAD)
+        return state, (trained.log_probs() - plain.log_probs()).abs()[real].max().item()
+
     def write(
         self, out: Path, data: Path, final: Path, splits: list[str], check_pairs: int = CHECK_PAIRS
     ) -> dict[str, object]:
@@ -212,20 +263,7 @@ class Export:
         check_vocab(self.cfg, corpus, data)
         spm_files = sorted({sentencepiece_model(data, lang) for lang in (corpus.src, corpus.tgt)})
         batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
-        trained, plain = SpecRunner(batch), SpecRunner(batch)
-        state: dict[str, torch.Tensor] = {}
-        layers = self.folded_layers(batch, trained)
-        total = len(layer_specs(self.cfg))
-        for (name, spec), module in tqdm(layers, total=total, desc="converting", unit="layer", file=sys.stderr):
-            plain(spec, module)
-            if name is not None:
-                for key, value in module.state_dict().items():
-                    state[fairseq_key(name, key)] = value
-        fairseq_extras(self.plain, state)
-        # Over real target positions: a pad position's state is never read, and eps dominates there.
-        real = batch[1].ne(PAD)
-        difference = (trained.log_probs() - plain.log_probs()).abs()[real].max().item()
-
+        state, difference = self.fairseq_state(batch)
         summary = {
             "checkpoint": str(self.checkpoint),
             "step": self.step,
@@ -239,32 +277,7 @@ class Export:
             "max_abs_log_prob_difference": difference,
             "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
         }
-        torch.save(
-            {
-                "cfg": {
-                    "_name": None,
-                    "model": fairseq_args(self.plain),
-                    "task": {
-                        "_name": "translation",
-                        "data": str(final.resolve()),
-                        "source_lang": corpus.src,
-                        "target_lang": corpus.tgt,
-                    },
-                },
-                "model": state,
-                "optimizer_history": [
-                    {
-                        "criterion_name": "LabelSmoothedCrossEntropyCriterion",
-                        "optimizer_name": "Adam",
-                        "lr_scheduler_state": {},
-                        "num_updates": self.step,
-                    }
-                ],
-                "extra_state": {"fathom": summary},
-                "last_optimizer_state": None,
-            },
-            out / CHECKPOINT,
-        )
+        torch.save(fairseq_checkpoint(self.plain, state, corpus, final, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
             shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
         for path in spm_files:

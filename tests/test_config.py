@@ -119,3 +119,17 @@ def test_plain_python_exits_2_with_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("fathom: error: pipeline.stages: 99 stages")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_init_from_must_describe_the_same_model(tmp_path, capsys, monkeypatch):
+    source = tmp_path / "source"
+    (source / "fairseq").mkdir(parents=True)
+    (source / "latest").write_text("fairseq")
+    model = {**json.loads(DEFAULT.read_text())["model"], "src_vocab_size": 20, "tgt_vocab_size": 20}
+    (source / "config.json").write_text(json.dumps({"model": {**model, "encoder_layers": 6}}))
+    args = ["--config", str(write_config(tmp_path)), "--override", f"train.init_from={source}"]
+    err = fail(capsys, args, monkeypatch=monkeypatch)
+    assert "train.init_from: model.encoder_layers is 6 in" in err and "must describe the same model" in err
+    (source / "config.json").write_text(json.dumps({"model": model}))
+    err = fail(capsys, args, monkeypatch=monkeypatch)
+    assert "layer files missing (first layer_00-model_states.pt)" in err

@@ -26,6 +26,15 @@ from pipeline.staging import check_out, staged
 from pipeline.to_fairseq import fairseq_key
 
 TAG = "fairseq"
+# fairseq's bookkeeping, and the aliases of tied tables (read through their first use)
+NOT_WEIGHTS = {
+    "encoder.version",
+    "decoder.version",
+    "encoder.embed_positions._float_tensor",
+    "decoder.embed_positions._float_tensor",
+    "decoder.embed_tokens.weight",
+    "decoder.output_projection.weight",
+}
 # fairseq 0.12's encoder layers also save copies of their weights for its BetterTransformer path
 # (in_proj_weight = [q; k; v], fc1_weight, ...), which its loader rebuilds from q/k/v, fc1, ...
 BETTER_TRANSFORMER_COPY = re.compile(r"encoder\.layers\.\d+\.(in_proj|out_proj|fc1|fc2)_(weight|bias)")
@@ -84,8 +93,8 @@ def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path
     if decoder_output_dim != args.get("decoder_embed_dim"):
         raise ConfigError(f"{path}: decoder_output_dim={decoder_output_dim} differs from decoder_embed_dim")
     return ModelConfig(
-        encoder_layers=args["encoder_layers"],
-        decoder_layers=args["decoder_layers"],
+        encoder_layers=args.get("encoder_layers", 6),  # fairseq's base_architecture defaults
+        decoder_layers=args.get("decoder_layers", 6),
         embed_dim=same("embed_dim"),
         ffn_dim=same("ffn_embed_dim"),
         attention_heads=same("attention_heads"),
@@ -118,17 +127,12 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
         try:
             module.load_state_dict(ours)
         except RuntimeError as err:
-            reason = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line or line.strip())
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            reason = next((line for line in lines if "size mismatch" in line), lines[0])
             raise ConfigError(f"{source}: {name}: {reason}") from None
         used.update(fairseq_key(name, key) for key in ours)
         torch.save(module.state_dict(), layer_file(checkpoint, index))
-    ignored = {"encoder.version", "decoder.version", "encoder.embed_positions._float_tensor"}
-    ignored |= {
-        "decoder.embed_positions._float_tensor",
-        "decoder.embed_tokens.weight",
-        "decoder.output_projection.weight",
-    }
-    if extra := sorted(k for k in set(state) - used - ignored if not BETTER_TRANSFORMER_COPY.fullmatch(k)):
+    if extra := sorted(k for k in set(state) - used - NOT_WEIGHTS if not BETTER_TRANSFORMER_COPY.fullmatch(k)):
         raise ConfigError(f"{source}: weight {extra[0]} has no place in this model ({len(extra)} such); not converted")
 
 

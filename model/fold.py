@@ -4,11 +4,12 @@ Every Post-LN-family sublayer computes LN(s * x + b * F(x)), (s, b) given by its
 `scales()` (s: DeepNorm's alpha, Admin's omega vector, else 1; b: BranchNorm's alpha_t, else 1):
 - b goes into the branch's last projection (out_proj, fc2).
 - s (Admin, appendix C): the module that produced x, the previous LayerNorm or, for a stack's
-  first sublayer, an embedding with learned positions, multiplies its output by s, and the
-  projections that read x divide their inputs by s, so F still sees x. Exact.
-- A scalar s behind an embedding with sinusoidal positions (DeepNorm's first sublayers): LayerNorm
-  is scale invariant, so LN(s * x + F(x)) = LN(x + F(x) / s) with eps / s^2 for eps, and 1 / s
-  goes into the last projection too. Exact but for that eps.
+  first sublayer, an embedding with learned positions and its own table (Admin's plain_config),
+  multiplies its output by s, and the projections that read x divide their inputs by s, so F
+  still sees x. Exact.
+- A scalar s behind the embedding (DeepNorm's first sublayers): LayerNorm is scale invariant, so
+  LN(s * x + F(x)) = LN(x + F(x) / s) with eps / s^2 for eps, and 1 / s goes into the last
+  projection too. Exact but for that eps.
 Pre-LN residuals have no scales and copy as they are.
 
 The vector case rewrites the module before, so a folded module is final only once the next one
@@ -44,18 +45,16 @@ SUBLAYERS = {
 SMALLEST_SCALE = 1e-6
 
 
-def scalable(producer: nn.Module | None) -> bool:
-    """Whether the module that made the residual stream can scale its output per dimension."""
-    return isinstance(producer, nn.LayerNorm) or (isinstance(producer, Embedding) and producer.positions is not None)
-
-
-def scale_output(producer: nn.Module, scale: float | torch.Tensor) -> None:
-    if isinstance(producer, Embedding):
+def scale_output(producer: nn.Module | None, scale: float | torch.Tensor) -> None:
+    """Multiplies the output of the module that made the residual stream by `scale`."""
+    if isinstance(producer, Embedding) and producer.positions is not None:
         producer.weight.mul_(scale)
         producer.positions.weight.mul_(scale)
-    else:
+    elif isinstance(producer, nn.LayerNorm):
         producer.weight.mul_(scale)
         producer.bias.mul_(scale)
+    else:  # the scheme's plain_config must give its plain model learned positions
+        raise TypeError(f"cannot scale the output of {type(producer).__name__}")
 
 
 class Folder:
@@ -89,16 +88,15 @@ class Folder:
             return
         stream, branch = residual.scales()
         factor = branch
-        if isinstance(stream, torch.Tensor) or stream != 1.0:
-            if scalable(self.producer):  # exact
-                check_invertible(stream)
-                scale_output(self.producer, stream)
-                for name in inputs:
-                    plain.get_submodule(name).weight.div_(stream)
-            elif isinstance(stream, torch.Tensor):  # the scheme's plain_config must give learned positions
-                raise TypeError(f"cannot fold a per-dimension scale into {type(self.producer).__name__}")
-            else:  # behind sinusoidal positions: scale invariance, exact but for LayerNorm's eps
-                factor = branch / stream
+        if isinstance(stream, torch.Tensor) or isinstance(self.producer, nn.LayerNorm):  # exact
+            check_invertible(stream)
+            scale_output(self.producer, stream)
+            for name in inputs:
+                plain.get_submodule(name).weight.div_(stream)
+        else:
+            # A scalar behind the embedding, whose table may be the tied output projection and whose
+            # sinusoids cannot scale: LayerNorm's scale invariance, exact but for its eps.
+            factor = branch / stream
         if factor != 1.0:
             projection = plain.get_submodule(output)
             projection.weight.mul_(factor)

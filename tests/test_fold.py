@@ -45,12 +45,15 @@ def log_probs(model: Transformer, src: torch.Tensor, prev: torch.Tensor) -> torc
         return torch.log_softmax(model(src, prev), dim=-1)[prev.ne(PAD)]
 
 
-@pytest.mark.parametrize("share", ["none", "decoder", "all"])
+@pytest.mark.parametrize("share", ["none", "decoder", "all", "decoder+learned_pos"])
 @pytest.mark.parametrize("scheme", EXPORTABLE)
 def test_folded_model_computes_the_same(scheme, share):
     torch.manual_seed(0)
     model = trained_looking(
-        scheme, share_all_embeddings=share == "all", share_decoder_input_output_embed=share == "decoder"
+        scheme,
+        share_all_embeddings=share == "all",
+        share_decoder_input_output_embed=share.startswith("decoder"),
+        learned_pos=share.endswith("learned_pos"),
     )
     plain = fold_model(model)
     assert plain.cfg.norm_scheme == SCHEMES[scheme].plain

@@ -132,6 +132,22 @@ def init_distributed() -> None:
     if not torch.cuda.is_available():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        release_shm_buffer()
+
+
+def shm_buffer() -> Path:
+    """The /dev/shm segment DeepSpeed's CPU all-reduce creates for this rank (ops/csrc/cpu/comm/shm.cpp)
+    when all ranks are on one machine."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+
+
+def release_shm_buffer() -> None:
+    """DeepSpeed never removes its 66 MB per-rank segment, so every CPU run would keep that much RAM
+    per rank until reboot. Each rank maps every peer's segment inside init_distributed, so after a
+    barrier the names can go: the mappings stay valid until the processes exit, however they exit."""
+    dist.barrier()
+    shm_buffer().unlink(missing_ok=True)
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,12 +203,15 @@ def test_every_scheme_resumes_exactly(tmp_path):
 
 
 def test_bf16_pipeline_trains(tmp_path):
-    """bf16 with 2 stages and ZeRO-1 on this CPU: finite, falling loss."""
+    """bf16 with 2 stages and ZeRO-1 on this CPU: finite, falling loss; DeepSpeed's shared-memory
+    all-reduce segments do not outlive the run."""
     result = train(tmp_path, 'bf16={"enabled": true}', "train.max_steps=30", "train.log_interval=10")
     assert result.returncode == 0
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 30 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])
+    port = result.args[result.args.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):

@@ -17,7 +17,7 @@ from model.config import ConfigError, ModelConfig, parse_section
 from pipeline.data import BatchSize, SyntheticConfig
 
 OUR_SECTIONS = ("model", "data", "train")
-DEFAULT_PARTITION = "type:(Encoder|Decoder)LayerPipe"
+DEFAULT_PARTITION = "cost"  # pipeline/partition.py
 
 
 @dataclass
@@ -142,8 +142,8 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int) -> No
             f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
         )
     partition = pipeline.get("partition", DEFAULT_PARTITION)
-    if not (partition in ("uniform", "parameters") or str(partition).startswith("type:")):
-        raise ConfigError(f"pipeline.partition: {partition!r}; use uniform, parameters or type:REGEX")
+    if not (partition in ("cost", "uniform", "parameters") or str(partition).startswith("type:")):
+        raise ConfigError(f"pipeline.partition: {partition!r}; use cost, uniform, parameters or type:REGEX")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
     # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
     if pipeline.setdefault("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:

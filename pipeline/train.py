@@ -31,6 +31,7 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.partition import CostBalancedPipeline
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -61,17 +62,20 @@ def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
 
 def build_pipeline(cfg: RunConfig) -> PipelineModule:
     """Each rank builds only the layers of its own stage (LayerSpecs are lazy)."""
-    module = PipelineModule(
+    options = dict(
         layers=[spec for _, spec in layer_specs(cfg.model)],
         num_stages=cfg.stages,
         loss_fn=partial(label_smoothed_cross_entropy, smoothing=cfg.train.label_smoothing),
-        partition_method=cfg.partition,
         checkpointable_layers=TRANSFORMER_LAYERS,
         dynamic_shape=True,  # micro-batches differ in length; without it DeepSpeed truncates silently
         seed_layers=True,  # layer i is initialized from seed + i, whatever the stage count
         base_seed=cfg.train.seed,
         seed_fn=lambda seed: torch.manual_seed(int(seed)),  # DeepSpeed may pass a numpy int
     )
+    if cfg.partition == "cost":
+        module = CostBalancedPipeline(model=cfg.model, **options)
+    else:
+        module = PipelineModule(partition_method=cfg.partition, **options)
     # seed_layers also reseeds every forward from a counter that a resume restarts; dropout is
     # seeded per step by the loop instead, so turn it off once the layers are built.
     module.seed_layers = False

@@ -16,7 +16,8 @@ from pipeline.checkpoint import load_reference
 from pipeline.config import load_config
 from pipeline.data import MicroBatches, eval_batches
 from pipeline.hooks import ScheduleHook
-from pipeline.train import build_corpus, profile_batch
+from pipeline.partition import stage_bounds
+from pipeline.train import build_corpus, profile_batch, with_vocab
 from tests.conftest import ROOT, launch
 
 pytestmark = pytest.mark.slow
@@ -203,10 +204,13 @@ def test_every_scheme_resumes_exactly(tmp_path):
 
 
 def test_bf16_pipeline_trains(tmp_path):
-    """bf16 with 2 stages and ZeRO-1 on this CPU: finite, falling loss; DeepSpeed's shared-memory
-    all-reduce segments do not outlive the run."""
+    """bf16 with 2 stages and ZeRO-1 on this CPU: finite, falling loss; the stages are cut where the
+    cost model says; DeepSpeed's shared-memory all-reduce segments do not outlive the run."""
     result = train(tmp_path, 'bf16={"enabled": true}', "train.max_steps=30", "train.log_interval=10")
     assert result.returncode == 0
+    cfg = load_config(ROOT / "ds_configs" / "default.json", world_size=2)
+    bounds = stage_bounds(with_vocab(cfg.model, build_corpus(cfg)), 2)
+    assert f"stage=0 layers={bounds[1]}" in result.stdout and f"stage=1 layers={bounds[2] - bounds[1]}" in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 30 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])

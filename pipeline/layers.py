@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.norms import build_scheme
-from model.transformer import learned_positions
+from model.transformer import learned_positions, module_names
 
 Activations = tuple[Tensor, ...]
 
@@ -102,19 +102,17 @@ def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
         output = LayerSpec(OutputProjectionPipe, cfg.tgt_vocab_size, dim)
 
     final_norms = scheme.normalize_before
-    specs: list[tuple[str | None, LayerSpec]] = [("encoder.embed_tokens", encoder_embed)]
-    specs += [(f"encoder.layers.{i}", LayerSpec(EncoderLayerPipe, cfg)) for i in range(cfg.encoder_layers)]
-    if final_norms:
-        specs.append(("encoder.layer_norm", LayerSpec(EncoderNormPipe, dim)))
-    specs.append((_saved_as("decoder.embed_tokens", decoder_embed), decoder_embed))
-    specs += [
-        (f"decoder.layers.{i}", LayerSpec(DecoderLayerPipe, cfg, last=i == cfg.decoder_layers - 1))
-        for i in range(cfg.decoder_layers)
+    specs = [
+        encoder_embed,
+        *(LayerSpec(EncoderLayerPipe, cfg) for _ in range(cfg.encoder_layers)),
+        *([LayerSpec(EncoderNormPipe, dim)] if final_norms else []),
+        decoder_embed,
+        *(LayerSpec(DecoderLayerPipe, cfg, last=i == cfg.decoder_layers - 1) for i in range(cfg.decoder_layers)),
+        *([LayerSpec(nn.LayerNorm, dim)] if final_norms else []),
+        output,
     ]
-    if final_norms:
-        specs.append(("decoder.layer_norm", LayerSpec(nn.LayerNorm, dim)))
-    specs.append((_saved_as("decoder.output_projection", output), output))
-    return specs
+    # named as the single-process model's modules, in the same forward order
+    return [(_saved_as(name, spec), spec) for name, spec in zip(module_names(cfg), specs, strict=True)]
 
 
 def _saved_as(name: str, spec: LayerSpec) -> str | None:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +23,18 @@ NUM_SPECIAL = 4
 
 class ConfigError(ValueError):
     """A configuration mistake a user must fix; the message is one line naming key and fix."""
+
+
+@contextmanager
+def exit_on_config_error(report: bool = True) -> Iterator[None]:
+    """For command-line entry points: a ConfigError ends the process with its one line on stderr
+    (unless `report` is false, e.g. on every rank but the first) and exit status 2."""
+    try:
+        yield
+    except ConfigError as err:
+        if report:
+            print(f"fathom: error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 T = TypeVar("T")

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from model.config import ConfigError, ModelConfig
+from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import CONFIG_FILE, layer_file
 from pipeline.layers import layer_specs
 from pipeline.staging import check_out, staged
@@ -151,11 +150,8 @@ def convert(args: argparse.Namespace) -> ModelConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with exit_on_config_error():
         cfg = convert(args)
-    except ConfigError as err:
-        print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
     print(
         f"wrote {args.out}: fairseq transformer as {cfg.norm_scheme}, {cfg.encoder_layers}L-{cfg.decoder_layers}L, "
         f"d={cfg.embed_dim}; start a run from it with --override train.init_from={args.out}"

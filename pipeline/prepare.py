@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from model.config import ConfigError
+from model.config import ConfigError, exit_on_config_error
 from pipeline.corpus import Dictionary, write_indexed
 from pipeline.staging import check_out, staged
 
@@ -196,11 +195,8 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with exit_on_config_error():
         meta = prepare(args)
-    except ConfigError as err:
-        print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
     for name, split in meta["splits"].items():
         print(
             f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty dropped, "

@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import json
 import os
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from model.config import ConfigError, ModelConfig
+from model.config import ConfigError, ModelConfig, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline import admin
@@ -264,7 +263,7 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with exit_on_config_error(report=int(os.environ.get("RANK", 0)) == 0):
         cfg = load_config(args.config, args.override, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         corpus = build_corpus(cfg)
         cfg.model = with_vocab(cfg.model, corpus)
@@ -277,8 +276,4 @@ def main(argv: list[str] | None = None) -> None:
                 f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
                 "or choose another save_dir"
             )
-    except ConfigError as err:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
     train(cfg, corpus, args.resume)

@@ -21,7 +21,7 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
-from model.config import ConfigError
+from model.config import exit_on_config_error
 from model.search import beam_search
 from pipeline.checkpoint import check_vocab, load_reference
 from pipeline.corpus import BinarizedCorpus, sentencepiece_model
@@ -64,11 +64,8 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
-    try:
+    with exit_on_config_error():
         hypotheses, references = translate(args)
-    except ConfigError as err:
-        print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     output.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     bleu, chrf = BLEU(), CHRF()

@@ -31,7 +31,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 from tqdm import tqdm
 
-from model.config import PAD, ConfigError, ModelConfig
+from model.config import PAD, ConfigError, ModelConfig, exit_on_config_error
 from model.fold import folded
 from model.norms import SCHEMES, build_scheme
 from pipeline.checkpoint import (
@@ -256,10 +256,13 @@ class Export:
         return state, (trained.log_probs() - plain.log_probs()).abs()[real].max().item()
 
     def write(
-        self, out: Path, data: Path, final: Path, splits: list[str], check_pairs: int = CHECK_PAIRS
+        self, out: Path, data: Path, final: Path, splits: list[str] | None, check_pairs: int = CHECK_PAIRS
     ) -> dict[str, object]:
-        """Writes the fairseq directory into `out`, to be renamed to `final`; returns the summary."""
+        """Writes the fairseq directory into `out`, to be renamed to `final`, with `splits` as raw text
+        (None: all but train); returns the summary."""
         corpus = BinarizedCorpus(data, "valid")
+        if splits is None:
+            splits = [split for split in corpus.meta["splits"] if split != "train"]
         check_vocab(self.cfg, corpus, data)
         spm_files = sorted({sentencepiece_model(data, lang) for lang in (corpus.src, corpus.tgt)})
         batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
@@ -292,19 +295,14 @@ def convert(args: argparse.Namespace) -> dict[str, object]:
     out = Path(args.out)
     check_out(out, args.force)
     export = Export.open(args.checkpoint, args.tag)
-    if args.splits is None:
-        args.splits = [s for s in BinarizedCorpus(args.data, "valid").meta["splits"] if s != "train"]
     with staged(out) as staging:
         return export.write(staging, Path(args.data), out, args.splits)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
+    with exit_on_config_error():
         summary = convert(args)
-    except ConfigError as err:
-        print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
     print(
         f"wrote {Path(args.out) / CHECKPOINT}: {summary['norm_scheme']} at step {summary['step']} as a fairseq "
         f"transformer ({summary['fairseq_layout']}), {summary['encoder_layers']}L-{summary['decoder_layers']}L, "

@@ -7,7 +7,7 @@ from deepspeed.runtime.utils import partition_balanced
 
 from model import ModelConfig
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
-from pipeline.partition import layer_costs, stage_costs
+from pipeline.partition import balanced_bounds, layer_costs, stage_costs
 
 
 def config(layers: int, dim: int, ffn: int, vocab: int, **kw) -> ModelConfig:
@@ -48,3 +48,33 @@ def test_mixed_model_is_balanced_by_cost_not_by_layer_count(cfg, stages):
     """The default job's shape (12L-12L, d 64) and the Multi30k recipe's widths and vocabulary."""
     assert imbalance(stage_costs(cfg, stages)) <= 1.10
     assert imbalance(stage_costs(cfg, stages)) < imbalance(by_layer_count(cfg, stages))
+
+
+def slowest_stage_by_brute_force(costs: list[int], parts: int) -> int:
+    return min(
+        max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, len(costs)]))
+        for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "costs", [[5, 1, 1, 1, 5], [0, 3, 3, 0, 4, 4, 9], [1] * 7, [0, 0, 0, 10], [7, 0, 2, 2, 2, 0, 1]]
+)
+def test_balanced_bounds_cut_the_optimal_non_empty_stages(costs):
+    for parts in range(1, len(costs) + 1):
+        bounds = balanced_bounds(costs, parts)
+        assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == parts + 1
+        assert all(a < b for a, b in itertools.pairwise(bounds)), "every stage holds a layer"
+        slowest = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+        assert slowest == slowest_stage_by_brute_force(costs, parts)
+
+
+def test_balanced_bounds_match_deepspeeds_slowest_stage_and_take_milliseconds():
+    """DeepSpeed's partition_balanced minimizes max - min in O(n^2 m) Python; the slowest stage is what
+    the pipeline waits for, and ours is never slower."""
+    costs = layer_costs(config(30, 64, 256, 1000))
+    for parts in (2, 3, 8):
+        ours = balanced_bounds(costs, parts)
+        theirs = partition_balanced(weights=costs, num_parts=parts)
+        slowest = [max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)) for bounds in (ours, theirs)]
+        assert slowest[0] <= slowest[1]

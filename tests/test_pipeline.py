@@ -210,7 +210,8 @@ def test_bf16_pipeline_trains(tmp_path):
     assert result.returncode == 0
     cfg = load_config(ROOT / "ds_configs" / "default.json", world_size=2)
     bounds = stage_bounds(with_vocab(cfg.model, build_corpus(cfg)), 2)
-    assert f"stage=0 layers={bounds[1]}" in result.stdout and f"stage=1 layers={bounds[2] - bounds[1]}" in result.stdout
+    assert f"stage 0: layers 0-{bounds[1] - 1} " in result.stdout
+    assert f"stage 1: layers {bounds[1]}-{bounds[2] - 1} " in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 30 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])

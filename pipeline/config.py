@@ -130,8 +130,9 @@ def _require_int(ds: dict[str, Any], key: str, minimum: int = 1) -> int | None:
     return value
 
 
-def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int) -> None:
-    """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them."""
+def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
+    """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
+    world_size None: not launched (e.g. planning); assume one pipeline replica."""
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
@@ -156,6 +157,7 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int) -> No
         raise ConfigError(
             f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
         )
+    world_size = stages if world_size is None else world_size
     if world_size % stages:
         raise ConfigError(
             f"pipeline.stages: {world_size} processes cannot be split into {stages} stages; "
@@ -186,7 +188,7 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int) -> No
         raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
 
 
-def load_config(path: str | Path, overrides: list[str] = (), world_size: int = 1) -> RunConfig:
+def load_config(path: str | Path, overrides: list[str] = (), world_size: int | None = 1) -> RunConfig:
     raw = read_json(path)
     apply_overrides(raw, list(overrides))
     ds = {k: v for k, v in raw.items() if k not in OUR_SECTIONS}

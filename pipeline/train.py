@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import json
 import os
@@ -30,9 +31,11 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 
 METRICS_FILE = "metrics.jsonl"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,6 +139,18 @@ def init_distributed() -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         release_shm_buffer()
+        return_freed_tensors()
+
+
+def return_freed_tensors() -> None:
+    """glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in
+    its heap: a CPU run then peaks ~20% above the bytes it uses (measured on a 44M-parameter ZeRO-1
+    run: 1.71 vs 1.40 GiB). A fixed threshold hands every block over 128 KiB back when freed."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 
 
 def shm_buffer() -> Path:
@@ -195,6 +210,7 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
 
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     init_distributed()
+    baseline_memory = current_bytes()
     rank = dist.get_rank()
     save_dir = Path(cfg.train.save_dir)
     if rank == 0:
@@ -259,6 +275,7 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
                 print(f"step {done} | valid loss {valid_loss:.4f} | best {best:.4f}", flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             engine.save_checkpoint(str(save_dir), client_state={"best_valid_loss": best})
+    report_peaks(baseline_memory, engine.stage_id, save_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

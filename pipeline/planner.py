@@ -1,0 +1,358 @@
+"""What each pipeline stage of a run will hold at its peak, known before a job is queued.
+
+    python scripts/estimate_memory.py --config FILE [--override k=v ...] [--stages S]
+        [--data-parallel D] [--sentences N --length L] [--gpu-memory 80GB]
+
+    model states   parameters and gradients (replicated), optimizer state (ZeRO-1: sharded over
+                   the data-parallel ranks), bytes per parameter as DeepSpeed allocates them
+    activations    what backward needs from every micro-batch in flight on the stage (1F1B keeps
+                   min(stages - stage, micro-batches) of them); with activation checkpointing only
+                   each checkpointed layer's input, plus one layer recomputed at a time
+    transients     the all-reduce's flattened gradients and Adam's temporaries at the step
+
+Activation bytes are not a formula: one layer of each kind runs forward on one sentence under
+saved-tensor hooks, which record exactly what autograd keeps (whatever the norm scheme, attention
+kernel and precision), and that scales with the sentences of a micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from torch import Tensor, nn
+
+from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
+from model.loss import label_smoothed_cross_entropy
+from pipeline.config import RunConfig, load_config
+from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.partition import stage_bounds
+
+GB, GiB = 10**9, 2**30
+# A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
+# gloo, autograd's threads): measured 45-140 MiB above the estimate at 6 to 96 layers
+# (docs/BENCHMARKS.md). A GPU's allocator counts none of it.
+CPU_RUNTIME_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of one precision/ZeRO mode of DeepSpeed 0.19 (runtime/engine.py picks the
+    optimizer wrapper in _do_optimizer_sanity_check)."""
+
+    weights: int  # the module's parameters
+    gradients: int  # param.grad
+    replicated: int  # further optimizer state every data-parallel rank holds in full
+    sharded: int  # optimizer state ZeRO-1 splits over the data-parallel ranks
+    flatten: int  # transient: gradients flattened for the all-reduce (even with one rank)
+    step: int  # transient, sharded: temporaries of Adam's update of the flat fp32 partition
+
+
+STATE_BYTES = {
+    # torch AdamW: exp_avg and exp_avg_sq
+    ("fp32", 0): StateBytes(4, 4, 8, 0, 4, 0),
+    # ZeRO-1: an fp32 master partition + exp_avg + exp_avg_sq; at the step the partition's flat
+    # gradients, and Adam's sqrt and division each allocate a partition-sized temporary
+    ("fp32", 1): StateBytes(4, 4, 0, 12, 4, 12),
+    # ZeRO-1 with bf16 gradients: as fp32 (the flat gradient partition cast to fp32)
+    ("bf16", 1): StateBytes(2, 2, 0, 12, 2, 12),
+    # No ZeRO: DeepSpeed's BF16_Optimizer, which accumulates gradients in a full fp32 buffer and
+    # still splits master weights and Adam state over the data-parallel ranks
+    ("bf16", 0): StateBytes(2, 2, 4, 12, 0, 8),
+}
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """The largest micro-batch: `sentences` pairs padded to `length` tokens on both sides."""
+
+    sentences: int
+    length: int
+
+
+@dataclass
+class StageEstimate:
+    stage: int
+    start: int  # spec indices [start, stop)
+    stop: int
+    params: int
+    model_states: int  # bytes: parameters, gradients, optimizer state
+    activations: int  # bytes held for backward, recomputation included
+    transient: int  # bytes allocated only around the optimizer step
+    runtime: int  # bytes a process holds whatever the model (CPU_RUNTIME_BYTES on a CPU)
+
+    @property
+    def peak(self) -> int:
+        """Activations are gone by the step, so the two never add up."""
+        return self.runtime + self.model_states + max(self.activations, self.transient)
+
+
+@dataclass
+class LayerTrace:
+    """One spec's module, run forward on one sentence."""
+
+    tied_key: str | None  # specs of one tied module (shared embeddings) hold its parameters once
+    params: int
+    saved: int  # bytes autograd keeps for backward, riding inputs excluded
+    stream: int  # bytes of the first float output: the hidden states
+    riders: int  # bytes of further float outputs (encoder_out), held once per stage
+    checkpointable: bool
+
+
+def precision(cfg: RunConfig) -> str:
+    if cfg.deepspeed.get("fp16", {}).get("enabled"):
+        raise ConfigError("fp16: the planner knows fp32 and bf16 runs; estimate with bf16 (same sizes)")
+    return "bf16" if cfg.deepspeed.get("bf16", {}).get("enabled") else "fp32"
+
+
+def state_bytes(cfg: RunConfig) -> StateBytes:
+    return STATE_BYTES[precision(cfg), cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)]
+
+
+def _float_bytes(values: tuple) -> list[int]:
+    return [v.untyped_storage().nbytes() for v in values if isinstance(v, Tensor) and v.is_floating_point()]
+
+
+def _saved_bytes(run: Callable[[], object], skip: set[int]) -> tuple[object, int]:
+    """run()'s result and the bytes of the distinct storages autograd saved for backward during it,
+    storages in `skip` (parameters, inputs held elsewhere) left out."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: Tensor) -> Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = run()
+    return output, sum(saved.values())
+
+
+def _run(spec: LayerSpec, module: nn.Module, inputs: object) -> object:
+    forward = getattr(spec, "forward_fn", None)
+    return forward(module, inputs) if forward else module(inputs)
+
+
+def _module_key(spec: LayerSpec) -> str:
+    """Specs with one key build equal modules (tied ones: the same module)."""
+    if isinstance(spec, TiedLayerSpec):
+        return f"tied:{spec.key}"
+    return repr((spec.typename, spec.module_args, spec.module_kwargs))
+
+
+def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
+    """A trace for every spec of the model, and the bytes the loss saves. Each distinct layer is
+    built and run once on one sentence: a deep stack repeats the same layer, whose output then
+    stands in for the next one's input."""
+    dtype = torch.bfloat16 if precision(cfg) == "bf16" else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(NUM_SPECIAL, cfg.model.tgt_vocab_size, (1, length), generator=generator)
+    value: object = (tokens, tokens.clone())
+    modules: dict[str, nn.Module] = {}
+    done: dict[str, tuple[LayerTrace, object]] = {}
+    traces = []
+    for _, spec in layer_specs(cfg.model):
+        module_key = _module_key(spec)
+        key = f"{module_key}/{getattr(spec, 'forward_fn', None)}"
+        if key not in done:
+            if module_key not in modules:
+                modules[module_key] = spec.build().to(dtype).train()
+            module = modules[module_key]
+            # every decoder layer reads the same encoder_out: the stage holds it once
+            riding = value[1:] if isinstance(value, tuple) else ()
+            skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
+            output, saved = _saved_bytes(partial(_run, spec, module, value), skip)
+            floats = _float_bytes(output if isinstance(output, tuple) else (output,))
+            trace = LayerTrace(
+                tied_key=spec.key if isinstance(spec, TiedLayerSpec) else None,
+                params=sum(p.numel() for p in module.parameters()),
+                saved=saved,
+                stream=floats[0] if floats else 0,
+                riders=sum(floats[1:]),
+                checkpointable=spec.typename.__name__ in TRANSFORMER_LAYERS,
+            )
+            done[key] = (trace, output)
+        trace, value = done[key]
+        traces.append(trace)
+    loss = partial(label_smoothed_cross_entropy, value, tokens, smoothing=cfg.train.label_smoothing)
+    _, loss_saved = _saved_bytes(loss, skip=set())
+    return traces, loss_saved
+
+
+def estimate_stages(
+    cfg: RunConfig,
+    traces: tuple[list[LayerTrace], int],
+    shape: MicroBatchShape,
+    stages: int,
+    data_parallel: int = 1,
+    device: str = "gpu",
+) -> list[StageEstimate]:
+    """Every stage's memory when the model is cut into `stages` (as pipeline/partition.py cuts it)."""
+    layers, loss_saved = traces
+    per_param = state_bytes(cfg)
+    interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
+    micro_batches = cfg.deepspeed.get("gradient_accumulation_steps", 1)
+    estimates = []
+    for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
+        mine = layers[start:stop]
+        inputs = [layers[i - 1] if i else None for i in range(start, stop)]  # each layer's producer
+        held, recompute = 0, 0
+        # DeepSpeed checkpoints runs of `interval` local layers, if all of them are checkpointable
+        for at in range(0, len(mine), interval or len(mine)):
+            chunk = mine[at : at + interval] if interval else mine
+            if interval and all(layer.checkpointable for layer in chunk):
+                held += inputs[at].stream if inputs[at] else 0
+                recompute = max(recompute, sum(layer.saved for layer in chunk))
+            else:
+                held += sum(layer.saved for layer in chunk)
+        held += max((producer.riders for producer in inputs if producer), default=0)
+        last = stage == stages - 1
+        held += loss_saved if last else mine[-1].stream + mine[-1].riders
+        in_flight = min(stages - stage, micro_batches)
+        tied = {layer.tied_key: layer.params for layer in mine if layer.tied_key}
+        params = sum(layer.params for layer in mine if not layer.tied_key) + sum(tied.values())
+        sharded = params / data_parallel
+        estimates.append(
+            StageEstimate(
+                stage=stage,
+                start=start,
+                stop=stop,
+                params=params,
+                model_states=int(
+                    params * (per_param.weights + per_param.gradients + per_param.replicated)
+                    + sharded * per_param.sharded
+                ),
+                activations=shape.sentences * (in_flight * held + recompute),
+                transient=int(max(params * per_param.flatten, sharded * per_param.step)),
+                runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
+            )
+        )
+    return estimates
+
+
+def smallest_stage_count(
+    cfg: RunConfig,
+    traces: tuple[list[LayerTrace], int],
+    shape: MicroBatchShape,
+    memory: int,
+    data_parallel: int = 1,
+    device: str = "gpu",
+) -> int | None:
+    """The fewest stages whose every peak fits in `memory` bytes (None: not even one Transformer
+    layer per stage). Peaks shrink as stages grow, so a doubling search and a bisection suffice."""
+
+    def fits(stages: int) -> bool:
+        return max(s.peak for s in estimate_stages(cfg, traces, shape, stages, data_parallel, device)) <= memory
+
+    most = cfg.model.encoder_layers + cfg.model.decoder_layers
+    high = 1
+    while not fits(high):
+        if high == most:
+            return None
+        high = min(2 * high, most)
+    low = high // 2  # does not fit (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+def parse_size(text: str) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(GB|GiB|MB|MiB)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size like 80GB or 40GiB")
+    units = {"gb": GB, "gib": GiB, "mb": 10**6, "mib": 2**20}
+    return int(float(match[1]) * units[(match[2] or "GB").lower()])
+
+
+def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int | None) -> MicroBatchShape:
+    """The worst micro-batch of the run: its longest pair (with eos) unless given, and as many
+    pairs as the batch size or token budget allows."""
+    if length is None:
+        from pipeline.train import build_corpus  # reads the data only when it must
+
+        length = int(build_corpus(cfg).lengths().max())
+    if sentences is None:
+        budget = cfg.data.max_tokens
+        sentences = max(1, budget // length) if budget else cfg.deepspeed["train_micro_batch_size_per_gpu"]
+    return MicroBatchShape(sentences, length)
+
+
+def with_data_vocab(cfg: RunConfig) -> RunConfig:
+    """Vocabulary sizes from the data's dictionaries where the config leaves them out."""
+    if cfg.model.src_vocab_size is None or cfg.model.tgt_vocab_size is None:
+        from pipeline.train import build_corpus, with_vocab
+
+        cfg.model = with_vocab(cfg.model, build_corpus(cfg))
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="experiment JSON, as for scripts/train.py")
+    parser.add_argument("--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--stages", type=int, help="pipeline stages (default: the config's pipeline.stages)")
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the pipeline (ZeRO-1 shards)")
+    parser.add_argument("--sentences", type=int, help="pairs per micro-batch (default: from the config)")
+    parser.add_argument("--length", type=int, help="padded tokens per sentence (default: the data's longest)")
+    parser.add_argument("--gpu-memory", help="also find the fewest stages that fit, e.g. 80GB")
+    parser.add_argument(
+        "--device", choices=("gpu", "cpu"), default="gpu", help="where it runs: cpu adds a rank's fixed overhead"
+    )
+    return parser.parse_args(argv)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:8.2f}"
+
+
+def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShape, data_parallel: int) -> str:
+    per_param = state_bytes(cfg)
+    lines = [
+        f"{precision(cfg)}, ZeRO stage {cfg.deepspeed.get('zero_optimization', {}).get('stage', 0)}, "
+        f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
+        f"tokens, {cfg.deepspeed.get('gradient_accumulation_steps', 1)} per step, activation checkpoint interval "
+        f"{cfg.deepspeed['pipeline'].get('activation_checkpoint_interval', 0)}",
+        f"{'stage':>5} {'layers':>11} {'params':>13} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
+        f"{'step tmp':>8} {'peak GiB':>8}",
+    ]
+    for e in estimates:
+        optimizer = e.model_states - e.params * (per_param.weights + per_param.gradients)
+        lines.append(
+            f"{e.stage:>5} {f'{e.start}-{e.stop - 1}':>11} {e.params:>13,} {_gib(e.params * per_param.weights)} "
+            f"{_gib(e.params * per_param.gradients)} {_gib(optimizer)} {_gib(e.activations)} {_gib(e.transient)} "
+            f"{_gib(e.peak)}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages else [])]
+        cfg = with_data_vocab(load_config(args.config, overrides, world_size=None))
+        for flag in ("data_parallel", "sentences", "length"):
+            if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be at least 1")
+        memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+        shape = micro_batch_shape(cfg, args.sentences, args.length)
+        traces = trace_layers(cfg, shape.length)
+        estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
+        print(report(cfg, estimates, shape, args.data_parallel))
+        print(f"largest stage peak: {max(e.peak for e in estimates) / GiB:.2f} GiB")
+        if memory:
+            fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, args.device)
+            if fewest is None:
+                print(f"does not fit in {memory / GiB:.2f} GiB even with one Transformer layer per stage")
+            else:
+                peak = max(e.peak for e in estimate_stages(cfg, traces, shape, fewest, args.data_parallel, args.device))
+                print(f"fewest stages that fit in {memory / GiB:.2f} GiB: {fewest} ", end="")
+                print(f"(largest stage peak {peak / GiB:.2f} GiB)")

@@ -1,0 +1,126 @@
+"""The memory planner (pipeline/planner.py): its arithmetic by hand, and its prediction against a real run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.memory import MEMORY_FILE
+from pipeline.planner import (
+    CPU_RUNTIME_BYTES,
+    GiB,
+    MicroBatchShape,
+    estimate_stages,
+    micro_batch_shape,
+    parse_size,
+    smallest_stage_count,
+    trace_layers,
+    with_data_vocab,
+)
+from tests.conftest import ROOT, launch
+
+TINY = [
+    "model.encoder_layers=1", "model.decoder_layers=1", "model.embed_dim=8", "model.ffn_dim=16",
+    "model.attention_heads=2", "model.src_vocab_size=10", "model.tgt_vocab_size=10", "pipeline.stages=1",
+]  # fmt: skip
+
+
+def config(*overrides: str):
+    return load_config(ROOT / "ds_configs" / "default.json", [*TINY, *overrides], world_size=None)
+
+
+@pytest.mark.parametrize(
+    "precision, zero, per_param, step",
+    [("fp32", 0, 4 + 4 + 8, 4), ("fp32", 1, 4 + 4 + 12 / 2, 12 / 2), ("bf16", 1, 2 + 2 + 12 / 2, 12 / 2)],
+)
+def test_model_states_by_hand(precision, zero, per_param, step):
+    """d 8, f 16, vocab 10, untied: encoder layer 4 x (64 + 8) + (128 + 16) + (128 + 8) + 2 LayerNorms
+    x 16 = 600; the decoder layer adds an attention and a LayerNorm: 904; three 10 x 8 tables: 240.
+    Bytes per parameter: weights + gradients + the optimizer state (ZeRO-1: over 2 data-parallel ranks)."""
+    cfg = config(f"bf16.enabled={str(precision == 'bf16').lower()}", f"zero_optimization.stage={zero}")
+    (stage,) = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), stages=1, data_parallel=2)
+    assert stage.params == 1744
+    assert stage.model_states == int(1744 * per_param)
+    assert stage.transient == int(1744 * step)
+    assert stage.runtime == 0  # a GPU's allocator
+    cpu = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), 1, 2, device="cpu")[0]
+    assert cpu.runtime == CPU_RUNTIME_BYTES and cpu.peak == stage.peak + CPU_RUNTIME_BYTES
+
+
+def test_checkpointed_layers_hold_only_their_inputs():
+    """With a checkpoint per layer, two more encoder layers hold two more inputs per sentence in flight
+    (length x d x 4 bytes) and nothing else; without checkpoints each holds far more."""
+    shape = MicroBatchShape(sentences=3, length=5)
+
+    def activations(*overrides: str) -> int:
+        cfg = config(
+            "pipeline.activation_checkpoint_interval=1",
+            "gradient_accumulation_steps=1",
+            "train_batch_size=8",
+            *overrides,
+        )
+        return estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=1)[0].activations
+
+    grown = activations("model.encoder_layers=3") - activations("model.encoder_layers=1")
+    assert grown == 2 * 3 * 5 * 8 * 4
+
+    def uncheckpointed(layers: int) -> int:
+        return activations(f"model.encoder_layers={layers}", "pipeline.activation_checkpoint_interval=0")
+
+    assert uncheckpointed(3) - uncheckpointed(1) > 5 * grown
+
+
+def test_first_stage_holds_a_micro_batch_per_later_stage():
+    """1F1B: stage s of S keeps min(S - s, micro-batches) forward passes for backward."""
+    layers = ["model.encoder_layers=4", "model.decoder_layers=4", "pipeline.activation_checkpoint_interval=0"]
+    single = config(*layers, "gradient_accumulation_steps=1", "train_batch_size=8")
+    several = config(*layers)  # 4 micro-batches per step
+    traces, shape = trace_layers(single, 5), MicroBatchShape(2, 5)
+    first, last = (estimate_stages(several, traces, shape, stages=2)[s].activations for s in (0, 1))
+    assert estimate_stages(single, traces, shape, stages=2)[0].activations * 2 == first
+    assert estimate_stages(single, traces, shape, stages=2)[1].activations == last
+
+
+def test_fewest_stages_that_fit():
+    cfg = config("model.encoder_layers=6", "model.decoder_layers=6")
+    traces, shape = trace_layers(cfg, 5), MicroBatchShape(8, 5)
+
+    def peak(stages: int) -> int:
+        return max(s.peak for s in estimate_stages(cfg, traces, shape, stages))
+
+    budget = (peak(3) + peak(4)) // 2
+    assert smallest_stage_count(cfg, traces, shape, budget) == 4
+    assert smallest_stage_count(cfg, traces, shape, peak(1)) == 1
+    assert smallest_stage_count(cfg, traces, shape, 1000) is None
+
+
+def test_sizes_and_bad_input():
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("40GiB") == 40 * GiB and parse_size("512") == 512 * 10**9
+    result = subprocess.run(
+        [sys.executable, "scripts/estimate_memory.py", "--config", "ds_configs/default.json", "--gpu-memory", "lots"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "fathom: error: --gpu-memory 'lots': expected a size like 80GB or 40GiB" in result.stderr
+
+
+@pytest.mark.slow
+def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
+    """2 stages, ZeRO-1, activation checkpointing, fp32 on this CPU: each rank's peak resident memory
+    above what it held before the model (pipeline/memory.py) against the planner's stage peak."""
+    overrides = [
+        "model.encoder_layers=12", "model.decoder_layers=12", "model.embed_dim=256", "model.ffn_dim=1024",
+        "train.max_steps=3", f"train.save_dir={tmp_path}", "train.save_interval=1000",
+    ]  # fmt: skip
+    result = launch("scripts/train.py", "--config", "ds_configs/default.json", "--override", *overrides)
+    assert result.returncode == 0
+    measured = json.loads((tmp_path / MEMORY_FILE).read_text())
+    cfg = with_data_vocab(load_config(ROOT / "ds_configs" / "default.json", overrides, world_size=None))
+    shape = micro_batch_shape(cfg, None, None)
+    estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device="cpu")
+    for rank in measured:
+        predicted = estimates[rank["stage"]].peak
+        actual = rank["peak"] - rank["baseline"]
+        assert abs(predicted - actual) / actual <= 0.15, (rank, predicted)

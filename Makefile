@@ -16,8 +16,9 @@ install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[dev]'
 
-# torchscale, the reference the tests compare DeepNorm and Sub-LN with. Without its dependencies: its
-# pinned timm would pull torchvision and a CUDA torch, for a drop_path the tests stand in for.
+# torchscale, the reference the tests compare DeepNorm and Sub-LN with (and scripts/bench.py times). Without
+# its dependencies: its pinned timm would pull torchvision and a CUDA torch, for a drop_path we stand in for
+# (pipeline/peers.py).
 peers: install
 	$(PYTHON) -m pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
 

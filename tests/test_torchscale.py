@@ -2,60 +2,21 @@
 our DeepNorm and Sub-LN models compute torchscale's logits."""
 
 import re
-import sys
-import types
 
 import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.embedding import sinusoidal_table
+from pipeline.peers import torchscale_model
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 
 
-def _drop_path(x: torch.Tensor, drop_prob: float = 0.0, training: bool = False) -> torch.Tensor:
-    assert drop_prob == 0.0, "the parity models use drop_path_rate 0"
-    return x
-
-
-def import_torchscale() -> types.SimpleNamespace:
-    """torchscale imports timm for drop_path alone, unused at drop_path_rate 0, and timm would pull
-    torchvision and with it a CUDA torch; so `make install` installs torchscale without dependencies
-    and, when timm is absent, this stands in for that one function."""
+def torchscale(cfg: ModelConfig) -> torch.nn.Module:
     try:
-        import timm.models.layers  # noqa: F401
-    except ImportError:
-        layers = types.ModuleType("timm.models.layers")
-        layers.drop_path = _drop_path
-        sys.modules.update({"timm": types.ModuleType("timm"), "timm.models": types.ModuleType("timm.models")})
-        sys.modules["timm.models.layers"] = layers
-    try:
-        from torchscale.architecture.config import EncoderDecoderConfig
-        from torchscale.architecture.encoder_decoder import EncoderDecoder
-        from torchscale.component.embedding import PositionalEmbedding, TextEmbedding
+        return torchscale_model(cfg, MAX_POSITIONS)
     except ImportError as err:
-        pytest.skip(f"torchscale is not importable ({err}); `make install` installs it")
-    return types.SimpleNamespace(
-        Config=EncoderDecoderConfig, Model=EncoderDecoder, Positions=PositionalEmbedding, Text=TextEmbedding
-    )
-
-
-def torchscale_model(ts: types.SimpleNamespace, scheme: str, n: int, m: int, dim: int = DIM) -> torch.nn.Module:
-    args = ts.Config(
-        encoder_embed_dim=dim, encoder_attention_heads=4, encoder_ffn_embed_dim=2 * dim, encoder_layers=n,
-        decoder_embed_dim=dim, decoder_attention_heads=4, decoder_ffn_embed_dim=2 * dim, decoder_layers=m,
-        activation_fn="relu", no_scale_embedding=False, vocab_size=VOCAB, share_all_embeddings=True,
-        deepnorm=scheme == "deepnorm", subln=scheme == "sub_ln",
-    )  # fmt: skip
-    embed = ts.Text(VOCAB, dim, padding_idx=1)
-
-    def positions() -> torch.nn.Module:  # fairseq's sinusoids, ours, as a fixed table
-        table = ts.Positions(MAX_POSITIONS, dim)
-        table.weight.data.copy_(sinusoidal_table(MAX_POSITIONS, dim))
-        return table
-
-    return ts.Model(args, embed, positions(), embed, positions())
+        pytest.skip(f"torchscale is not importable ({err}); `make peers` installs it")
 
 
 def torchscale_name(name: str) -> str:
@@ -66,7 +27,6 @@ def torchscale_name(name: str) -> str:
 @pytest.mark.parametrize("scheme", ["deepnorm", "sub_ln"])
 @pytest.mark.parametrize("n, m", [(3, 2), (6, 6)])
 def test_same_weights_give_torchscales_outputs(scheme, n, m):
-    ts = import_torchscale()
     torch.manual_seed(0)
     cfg = ModelConfig(
         encoder_layers=n, decoder_layers=m, embed_dim=DIM, ffn_dim=2 * DIM, attention_heads=4, dropout=0.0,
@@ -78,7 +38,7 @@ def test_same_weights_give_torchscales_outputs(scheme, n, m):
         for name, param in ours.named_parameters():
             if "norm" in name or "ln" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
-    theirs = torchscale_model(ts, scheme, n, m).eval()
+    theirs = torchscale(cfg).eval()
     state = {torchscale_name(k): v for k, v in ours.state_dict().items()}
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert unexpected == [] and sorted(missing) == ["decoder.embed_positions.weight", "encoder.embed_positions.weight"]
@@ -96,7 +56,6 @@ def test_same_weights_give_torchscales_outputs(scheme, n, m):
 def test_torchscale_init_has_torchscales_weight_scales(scheme):
     """model.deepnorm.init = torchscale (and Sub-LN's init) draw every weight matrix and bias at the
     scale torchscale's own constructor does; the draws differ, so compare standard deviations."""
-    ts = import_torchscale()
     torch.manual_seed(0)
     n, m, dim = 6, 4, 256
     cfg = ModelConfig(
@@ -105,7 +64,7 @@ def test_torchscale_init_has_torchscales_weight_scales(scheme):
         schemes={"deepnorm": {"init": "torchscale"}},
     )  # fmt: skip
     ours = dict(Transformer(cfg).named_parameters())
-    theirs = dict(torchscale_model(ts, scheme, n, m, dim).named_parameters())
+    theirs = dict(torchscale(cfg).named_parameters())
     checked = 0
     for name, param in ours.items():
         if "embed" not in name:

@@ -1,0 +1,346 @@
+"""Training throughput of fathom's model, side by side with the machine's matmul peak, torchscale's
+EncoderDecoder at the same config, and DeepSpeed's pipeline engine at 1 stage (scripts/bench.py).
+
+Everything runs in one process on the CPU with the same torch threads, on one fixed batch of
+`batch` pairs of exactly `src_len` source and `tgt_len` target tokens (no padding, so every position
+is work), with the same AdamW and label-smoothed loss. Every timed section runs `warmup` untimed
+steps first; a training step's time is the median of `steps` timed steps.
+
+Precision: fp32, or bf16. The plain loops (ours and torchscale's) train pure bf16: parameters,
+gradients and AdamW's state in bf16, no fp32 master weights. DeepSpeed's bf16 mode (ZeRO 0 in a
+pipeline: its BF16_Optimizer) keeps bf16 parameters and gradients but fp32 master weights and
+optimizer state, so its "overhead" in bf16 includes those fp32 copies and the casts between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import itertools
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.config import NUM_SPECIAL, ConfigError, ModelConfig
+from model.loss import label_smoothed_cross_entropy
+from model.transformer import Transformer
+from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
+from pipeline.data import MicroBatch, collate
+from pipeline.layers import layer_specs
+from pipeline.partition import stage_bounds
+from pipeline.peers import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
+from pipeline.train import build_engine, release_shm_buffer
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEERS = ("torchscale", "deepspeed")  # what our plain loop ("fathom") can be compared with
+# ds_configs/default.json's optimizer, here for both the plain loops and the engine.
+ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001}
+
+Step = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What to measure. Each depth D trains D encoder and D decoder layers, the rest from `model`."""
+
+    model: ModelConfig
+    depths: tuple[int, ...]
+    peers: tuple[str, ...]  # of PEERS, each measured after our plain loop at every depth
+    batch: int
+    src_len: int
+    tgt_len: int
+    precision: str
+    warmup: int
+    steps: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        return ("fathom", *self.peers)
+
+
+@dataclass
+class Result:
+    system: str
+    depth: int
+    step_s: float  # median
+    tokens_per_s: float  # target tokens
+    flops_per_s: float  # model FLOPs (model_flops) per second
+    peak_fraction: float  # of the matmul peak at the same precision
+    per_layer_s: float  # step_s / (2 depth): embeddings and output projection amortized over the layers
+    per_layer_vs_shallowest: float = 1.0  # per_layer_s over this system's at the smallest depth
+    fathom_speedup: float | None = None  # torchscale rows: our tokens/s over torchscale's
+    engine_overhead: float | None = None  # deepspeed rows: engine step time over our plain loop's, minus 1
+
+
+def time_steps(step: Step, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of `step`, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        tick = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - tick)
+    return times
+
+
+def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], warmup: int, repeats: int) -> float:
+    """FLOP/s of the fastest torch.mm of two n x n matrices (2 n^3 FLOPs) over `sizes`: what this
+    machine's BLAS reaches at this precision and thread count, the ceiling for a training step."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        best = max(best, 2 * n**3 / min(time_steps(lambda a=a, b=b: torch.mm(a, b), warmup, repeats)))
+    return best
+
+
+def model_flops(cfg: ModelConfig, src_len: int, tgt_len: int, batch: int) -> float:
+    """FLOPs of one training step (forward + backward) of `batch` pairs without padding, counting
+    matrix multiplications only; activation recomputation is not counted (model FLOPs, not hardware).
+
+    A weight matrix of P parameters costs 2 P FLOPs per token it is applied to forward and 4 P
+    backward (input and weight gradients): 6 P. Per source token: every encoder layer's q, k, v, out
+    (4 d^2) and fc1, fc2 (2 d f), and every decoder layer's cross-attention k, v (2 d^2), which read
+    the encoder output. Per target token: every decoder layer's self-attention (4 d^2), cross-attention
+    q and out (2 d^2) and FFN (2 d f), and the output projection (V d). Attention scores and their
+    weighted sum cost 2 * 2 * (keys) * d per query per attention forward, x 3 with backward; causal
+    self-attention is counted over all tgt_len keys. Embedding lookups, biases, LayerNorm, softmax and
+    the optimizer are not counted.
+    """
+    d, f, n, m = cfg.embed_dim, cfg.ffn_dim, cfg.encoder_layers, cfg.decoder_layers
+    src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
+    params_per_src_token = n * (4 * d * d + 2 * d * f) + m * 2 * d * d
+    params_per_tgt_token = m * (6 * d * d + 2 * d * f) + cfg.tgt_vocab_size * d
+    weights = 6 * (params_per_src_token * src_tokens + params_per_tgt_token * tgt_tokens)
+    attention = 3 * 4 * d * (src_tokens * n * src_len + tgt_tokens * m * (tgt_len + src_len))
+    return float(weights + attention)
+
+
+def synthetic_batch(vocab: int, batch: int, src_len: int, tgt_len: int) -> MicroBatch:
+    """`batch` random pairs in the training layout (pipeline.data.collate), every one exactly src_len
+    and tgt_len tokens long with eos."""
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(NUM_SPECIAL, vocab, (batch, src_len - 1), generator=gen)
+    tgt = torch.randint(NUM_SPECIAL, vocab, (batch, tgt_len - 1), generator=gen)
+    return collate(list(zip(src, tgt, strict=True)))
+
+
+def plain_loop(model: nn.Module, logits: Callable[..., torch.Tensor], batch: MicroBatch) -> Step:
+    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    (src_tokens, prev_output_tokens), target = batch
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target).backward()
+        optimizer.step()
+
+    return step
+
+
+@contextlib.contextmanager
+def fathom_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+    model = Transformer(cfg).to(dtype).train()
+    yield plain_loop(model, model, batch)
+
+
+@contextlib.contextmanager
+def torchscale_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+    (src_tokens, prev_output_tokens), _ = batch
+    model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2).to(dtype).train()
+    yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process() -> None:
+    """torch.distributed for this one process (world size 1, gloo), which the engine needs. Not
+    pipeline.train.init_distributed: that one sets torch's thread count for launched ranks, and here
+    every system must run with the same threads."""
+    if dist.is_initialized():
+        return
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    )
+    deepspeed.init_distributed(dist_backend="gloo")
+    release_shm_buffer()  # DeepSpeed's CPU all-reduce segment in /dev/shm, which it never removes
+
+
+def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
+    """The plain loop's step as a DeepSpeed pipeline config: one stage, one micro-batch per step,
+    no activation checkpointing, torch's AdamW, no LR schedule, no gradient clipping."""
+    return {
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},  # Adam type + adam_w_mode: AdamW
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 0.0,
+        "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},
+    }
+
+
+@contextlib.contextmanager
+def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+    init_single_process()
+    ds = deepspeed_config(batch[1].size(0), bf16=dtype == torch.bfloat16)
+    check_deepspeed(ds, cfg, world_size=1)
+    # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
+    micro_batches = itertools.repeat(batch)
+    yield lambda: engine.train_batch(data_iter=micro_batches)
+    # The engine keeps the last logits (pipe_buffers) and loss; their autograd graph holds DeepSpeed's
+    # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
+    # (weights, optimizer state) would stay in memory until the process ends.
+    for buffer in engine.pipe_buffers.values():
+        buffer.clear()
+    engine.loss = None
+
+
+BUILDERS: dict[str, Callable[[ModelConfig, MicroBatch, torch.dtype], contextlib.AbstractContextManager[Step]]] = {
+    "fathom": fathom_step,
+    "torchscale": torchscale_step,
+    "deepspeed": deepspeed_step,
+}
+
+
+def check(bench: Bench) -> None:
+    """Fails before anything is timed on what would fail later: a vocabulary of special symbols only,
+    an unknown peer, a torchscale comparison torchscale cannot run."""
+    if bench.model.tgt_vocab_size <= NUM_SPECIAL:
+        raise ConfigError(f"--vocab: {bench.model.tgt_vocab_size} leaves no words beside {NUM_SPECIAL} special symbols")
+    unknown = set(bench.peers) - set(PEERS)
+    if unknown:
+        raise ConfigError(f"--compare: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
+    if "torchscale" in bench.peers:
+        if bench.model.norm_scheme not in TORCHSCALE_SCHEMES:
+            raise ConfigError(
+                f"--scheme: torchscale has no {bench.model.norm_scheme}; compare {', '.join(TORCHSCALE_SCHEMES)} "
+                "with torchscale"
+            )
+        try:
+            import_torchscale()
+        except ImportError as err:
+            raise ConfigError(f"--compare torchscale: torchscale is not importable ({err}); run `make peers`") from None
+
+
+def step_time(system: str, cfg: ModelConfig, batch: MicroBatch, bench: Bench) -> float:
+    """Median seconds of one training step of `system`."""
+    with BUILDERS[system](cfg, batch, bench.dtype) as step:
+        return statistics.median(time_steps(step, bench.warmup, bench.steps))
+
+
+def run(bench: Bench, peak: float) -> list[Result]:
+    """Every system at every depth, in that order (systems of one depth measured back to back)."""
+    batch = synthetic_batch(bench.model.src_vocab_size, bench.batch, bench.src_len, bench.tgt_len)
+    results = []
+    for depth in bench.depths:
+        cfg = replace(bench.model, encoder_layers=depth, decoder_layers=depth)
+        flops = model_flops(cfg, bench.src_len, bench.tgt_len, bench.batch)
+        for system in bench.systems:
+            seconds = step_time(system, cfg, batch, bench)
+            gc.collect()  # the last model and optimizer (DeepSpeed's engine is full of cycles) before the next
+            results.append(
+                Result(
+                    system=system,
+                    depth=depth,
+                    step_s=seconds,
+                    tokens_per_s=bench.batch * bench.tgt_len / seconds,
+                    flops_per_s=flops / seconds,
+                    peak_fraction=flops / seconds / peak,
+                    per_layer_s=seconds / (2 * depth),
+                )
+            )
+    compare(results)
+    return results
+
+
+def compare(results: list[Result]) -> None:
+    """Fills each result's ratios to our plain loop at its depth and to its system's shallowest depth."""
+    ours = {r.depth: r for r in results if r.system == "fathom"}
+    shallowest = {}
+    for r in sorted(results, key=lambda r: r.depth):
+        shallowest.setdefault(r.system, r)
+        r.per_layer_vs_shallowest = r.per_layer_s / shallowest[r.system].per_layer_s
+        if r.system == "torchscale":
+            r.fathom_speedup = ours[r.depth].tokens_per_s / r.tokens_per_s
+        elif r.system == "deepspeed":
+            r.engine_overhead = r.step_s / ours[r.depth].step_s - 1
+
+
+@dataclass
+class StageTime:
+    stage: int
+    start: int  # spec indices [start, stop)
+    stop: int
+    params: int
+    step_s: float  # median forward + backward of the stage's layers on one micro-batch
+
+
+def stage_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
+    """Every pipeline spec built once in this process (tied specs share their module), with the
+    callable the engine runs."""
+    tied: dict[str, nn.Module] = {}
+    layers = []
+    for _, spec in layer_specs(cfg):
+        key = getattr(spec, "key", None)
+        module = tied.setdefault(key, spec.build()) if key else spec.build()
+        forward = getattr(spec, "forward_fn", None)
+        layers.append((module, partial(forward, module) if forward else module))
+    return layers
+
+
+def stage_times(cfg: ModelConfig, stages: int, batch: MicroBatch, warmup: int, steps: int) -> list[StageTime]:
+    """Forward + backward time of each stage as pipeline/partition.py cuts the model, each stage timed
+    alone in this process on the activations the stages before it produce: what the pipeline's
+    slowest stage costs every micro-batch, without the other stages competing for the cores."""
+    modules, layers = zip(*stage_layers(cfg), strict=True)
+    bounds = stage_bounds(cfg, stages)
+    (src_tokens, prev_output_tokens), target = batch
+    inputs, value = [], (src_tokens, prev_output_tokens)
+    with torch.no_grad():
+        for start, stop in itertools.pairwise(bounds):
+            inputs.append(value)
+            for layer in layers[start:stop]:
+                value = layer(value)
+    times = []
+    for stage, (start, stop) in enumerate(itertools.pairwise(bounds)):
+        received = inputs[stage]
+
+        def step(start: int = start, stop: int = stop, received: tuple = received) -> None:
+            value = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in received)
+            for layer in layers[start:stop]:
+                value = layer(value)
+            if stop == len(layers):
+                label_smoothed_cross_entropy(value, target).backward()
+            else:
+                sent = [t for t in (value if isinstance(value, tuple) else (value,)) if t.requires_grad]
+                torch.autograd.backward(sent, [torch.ones_like(t) for t in sent])
+
+        mine = {id(m): m for m in modules[start:stop]}
+        params = sum(p.numel() for m in mine.values() for p in m.parameters())
+        seconds = statistics.median(time_steps(step, warmup, steps))
+        times.append(StageTime(stage=stage, start=start, stop=stop, params=params, step_s=seconds))
+    return times

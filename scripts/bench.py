@@ -1,0 +1,167 @@
+"""Training throughput on this machine, in one process: the matmul peak at the chosen precision, our model
+in a plain PyTorch loop, and optionally torchscale's EncoderDecoder (same config and loop) and DeepSpeed's
+pipeline engine at 1 stage (same model and batch). How each is measured: pipeline/bench.py.
+
+    python scripts/bench.py --layers 6 --dim 512 --ffn 2048 --heads 8 --vocab 8000 --batch 8 \\
+        --src-len 64 --tgt-len 64 --precision fp32 --compare torchscale,deepspeed [--depths 12,50] [--json OUT]
+    python scripts/bench.py --layers 12 --dim 256 --ffn 1024 --stage-times 2,4   # balance of the stages
+
+bf16 needs a CPU with native bf16 matmuls (AVX512_BF16 or AMX); elsewhere torch emulates them, about
+50x slower than fp32, and a 2048 x 2048 bf16 matmul alone takes about a minute (--matmul-sizes 1024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from model.config import ModelConfig, exit_on_config_error
+from pipeline.bench import PRECISIONS, Bench, Result, StageTime, check, matmul_peak, run, stage_times, synthetic_batch
+
+
+def positive(text: str) -> int:
+    value = int(text)  # argparse turns a ValueError into "invalid positive value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
+    return value
+
+
+def positive_list(text: str) -> tuple[int, ...]:
+    return tuple(positive(v) for v in text.split(","))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    depth = parser.add_mutually_exclusive_group()
+    depth.add_argument("--layers", type=positive, default=6, help="encoder layers = decoder layers (default 6)")
+    depth.add_argument(
+        "--depths", type=positive_list, help="depth scaling: each of these as encoder = decoder layers, e.g. 12,50,100"
+    )
+    parser.add_argument("--dim", type=positive, default=512)
+    parser.add_argument("--ffn", type=positive, default=2048)
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--vocab", type=positive, default=8000, help="source and target vocabulary (separate tables)")
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--scheme", default="post_ln", help="model.norm_scheme (torchscale: post_ln, pre_ln, ...)")
+    parser.add_argument("--batch", type=positive, default=8, help="sentence pairs per step")
+    parser.add_argument("--src-len", type=positive, default=64, help="source tokens per sentence, eos included")
+    parser.add_argument("--tgt-len", type=positive, default=64, help="target tokens per sentence, eos included")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--steps", type=positive, default=5, help="timed steps (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--compare", default="", help="comma-separated: torchscale, deepspeed")
+    parser.add_argument("--matmul-sizes", type=positive_list, default=(1024, 2048), help="square matmuls for the peak")
+    parser.add_argument("--threads", type=positive, help="torch threads for every measurement (default: torch's)")
+    parser.add_argument(
+        "--stage-times",
+        type=positive_list,
+        help="instead: forward + backward time of each pipeline stage at these stage counts, e.g. 2,4",
+    )
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    return parser.parse_args(argv)
+
+
+def bench_of(args: argparse.Namespace) -> Bench:
+    depths = args.depths or (args.layers,)
+    model = ModelConfig(
+        encoder_layers=depths[0], decoder_layers=depths[0], embed_dim=args.dim, ffn_dim=args.ffn,
+        attention_heads=args.heads, dropout=args.dropout, norm_scheme=args.scheme, src_vocab_size=args.vocab,
+        tgt_vocab_size=args.vocab,
+    )  # fmt: skip
+    return Bench(
+        model=model,
+        depths=depths,
+        peers=tuple(p for p in args.compare.split(",") if p),
+        batch=args.batch,
+        src_len=args.src_len,
+        tgt_len=args.tgt_len,
+        precision=args.precision,
+        warmup=args.warmup,
+        steps=args.steps,
+    )
+
+
+COLUMNS = ("system", "layers", "step ms", "tgt tok/s", "GFLOP/s", "of peak", "vs fathom", "ms/layer", "vs shallowest")
+
+
+def versus_fathom(r: Result) -> str:
+    if r.fathom_speedup is not None:
+        return f"fathom x{r.fathom_speedup:.2f}"
+    if r.engine_overhead is not None:
+        return f"overhead {r.engine_overhead:+.1%}"
+    return ""
+
+
+def table(results: list[Result]) -> str:
+    rows = [list(COLUMNS)] + [
+        [
+            r.system,
+            f"{r.depth}-{r.depth}",
+            f"{r.step_s * 1e3:.1f}",
+            f"{r.tokens_per_s:.0f}",
+            f"{r.flops_per_s / 1e9:.2f}",
+            f"{r.peak_fraction:.1%}",
+            versus_fathom(r),
+            f"{r.per_layer_s * 1e3:.2f}",
+            f"x{r.per_layer_vs_shallowest:.2f}",
+        ]
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def stage_table(stages: int, times: list[StageTime]) -> str:
+    mean = sum(t.step_s for t in times) / len(times)
+    lines = [f"{stages} stages: slowest / mean = {max(t.step_s for t in times) / mean:.3f}"]
+    lines += [
+        f"  stage {t.stage}: layers {t.start}-{t.stop - 1}, {t.params:,} parameters, {t.step_s * 1e3:.1f} ms"
+        for t in times
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        bench = bench_of(args)
+        check(bench)
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its config dump would bury the table
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    print(
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, {threads} threads, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        flush=True,
+    )
+    if args.stage_times:
+        batch = synthetic_batch(bench.model.src_vocab_size, bench.batch, bench.src_len, bench.tgt_len)
+        for stages in args.stage_times:
+            print(stage_table(stages, stage_times(bench.model, stages, batch, bench.warmup, bench.steps)), flush=True)
+        return
+    peak = matmul_peak(bench.dtype, args.matmul_sizes, bench.warmup, bench.steps)
+    print(f"matmul peak {args.precision}: {peak / 1e9:.2f} GFLOP/s (best of sizes {args.matmul_sizes})", flush=True)
+    results = run(bench, peak)
+    print(table(results))
+    if args.json:
+        record = {
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "threads": threads,
+            "bench": dataclasses.asdict(bench),
+            "matmul_sizes": args.matmul_sizes,
+            "matmul_peak_flops": peak,
+            "results": [dataclasses.asdict(r) for r in results],
+        }
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,11 +21,16 @@ from pipeline.layers import DecoderLayerPipe, EncoderLayerPipe, OutputProjection
 # Attention scores cost ~2 L d multiply-adds per token and attention; L is not known when the stages
 # are cut, so a typical sentence length stands in.
 NOMINAL_LENGTH = 32
+# Log-softmax and the label-smoothed loss pass over every logit about eight times, forward and
+# backward, at memory speed: measured on a 2-core CPU as ~100 multiply-adds' worth per logit (the output
+# layer of d 256, vocab 8000 took the time of 2.7 decoder layers; docs/BENCHMARKS.md).
+LOSS_COST_PER_LOGIT = 100
 
 
 def layer_costs(cfg: ModelConfig) -> list[int]:
     """Forward multiply-adds per token of every pipeline layer: a Transformer layer's projections
-    (4 d^2 per attention, 2 d f for the FFN) and attention scores; the output projection's vocab x d.
+    (4 d^2 per attention, 2 d f for the FFN) and attention scores; the output projection's vocab x d
+    and the loss over its logits.
     Embedding lookups and LayerNorms are negligible next to them."""
     d, f = cfg.embed_dim, cfg.ffn_dim
     attention = 4 * d * d + 2 * NOMINAL_LENGTH * d
@@ -37,7 +42,7 @@ def layer_costs(cfg: ModelConfig) -> list[int]:
         elif spec.typename is DecoderLayerPipe:
             costs.append(2 * attention + ffn)
         elif spec.typename is OutputProjectionPipe or getattr(spec, "forward_fn", None) is project_output:
-            costs.append(cfg.tgt_vocab_size * d)
+            costs.append(cfg.tgt_vocab_size * (d + LOSS_COST_PER_LOGIT))
         else:
             costs.append(0)
     return costs

@@ -36,10 +36,11 @@ def by_layer_count(cfg: ModelConfig, stages: int) -> list[float]:
 @pytest.mark.parametrize("share", [False, True])
 def test_costs_by_hand(share):
     """d 8, f 32, vocab 10: encoder 4*64 + 2*32*8 + 2*8*32 = 1280; the decoder's cross-attention adds
-    4*64 + 2*32*8 = 768; the output projection 10 * 8, tied to the embedding or not; lookups 0."""
+    4*64 + 2*32*8 = 768; the output projection 10 * 8 and the loss 10 * 100, tied to the embedding or
+    not; lookups 0."""
     cfg = config(2, 8, 32, 10, share_all_embeddings=share)
     # encoder embedding, 2 encoder layers, decoder embedding, 2 decoder layers, output projection
-    assert layer_costs(cfg) == [0, 1280, 1280, 0, 2048, 2048, 80]
+    assert layer_costs(cfg) == [0, 1280, 1280, 0, 2048, 2048, 1080]
 
 
 @pytest.mark.parametrize("stages", [2, 4])

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -32,6 +34,7 @@ from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from pipeline.config import RunConfig, load_config
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.memory import MEMORY_FILE
 from pipeline.partition import stage_bounds
 
 GB, GiB = 10**9, 2**30
@@ -50,7 +53,7 @@ class StateBytes:
     gradients: int  # param.grad
     replicated: int  # further optimizer state every data-parallel rank holds in full
     sharded: int  # optimizer state ZeRO-1 splits over the data-parallel ranks
-    flatten: int  # transient: gradients flattened for the all-reduce (even with one rank)
+    flatten: int  # transient: gradients flattened for the all-reduce (ZeRO-1: even with one replica)
     step: int  # transient, sharded: temporaries of Adam's update of the flat fp32 partition
 
 
@@ -199,6 +202,8 @@ def estimate_stages(
     per_param = state_bytes(cfg)
     interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
     micro_batches = cfg.deepspeed.get("gradient_accumulation_steps", 1)
+    zero = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    flatten = per_param.flatten if zero or data_parallel > 1 else 0  # pipeline/train.py's build_engine
     estimates = []
     for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
         mine = layers[start:stop]
@@ -230,7 +235,7 @@ def estimate_stages(
                     + sharded * per_param.sharded
                 ),
                 activations=shape.sentences * (in_flight * held + recompute),
-                transient=int(max(params * per_param.flatten, sharded * per_param.step)),
+                transient=int(max(params * flatten, sharded * per_param.step)),
                 runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
             )
         )
@@ -307,6 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("gpu", "cpu"), default="gpu", help="where it runs: cpu adds a rank's fixed overhead"
     )
+    parser.add_argument("--measured", help="a finished run's save_dir: print its measured peaks beside the estimate")
     return parser.parse_args(argv)
 
 
@@ -334,6 +340,22 @@ def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShap
     return "\n".join(lines)
 
 
+def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
+    """Each rank's measured peak (pipeline/memory.py: above its pre-model baseline) beside its stage's estimate."""
+    path = save_dir / MEMORY_FILE
+    if not path.exists():
+        raise ConfigError(f"--measured: {path} does not exist; it is written when a training run finishes")
+    lines = []
+    for rank in json.loads(path.read_text()):
+        measured = rank["peak"] - rank["baseline"]
+        estimate = estimates[rank["stage"]].peak
+        lines.append(
+            f"rank {rank['rank']} (stage {rank['stage']}): measured {measured / GiB:.3f} GiB, "
+            f"estimated {estimate / GiB:.3f} GiB ({estimate / measured - 1:+.1%})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
@@ -348,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
         estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
         print(report(cfg, estimates, shape, args.data_parallel))
         print(f"largest stage peak: {max(e.peak for e in estimates) / GiB:.2f} GiB")
+        if args.measured:
+            print(measured_report(Path(args.measured), estimates))
         if memory:
             fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, args.device)
             if fewest is None:

@@ -91,6 +91,11 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=copy.deepcopy(cfg.deepspeed),
     )
+    if engine.grid.get_data_parallel_world_size() == 1 and engine.zero_optimization_stage() == 0:
+        # Nothing to average, yet DeepSpeed would copy every gradient into one flat buffer, all-reduce
+        # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
+        # gradient partition there).
+        engine.pipeline_enable_backward_allreduce = False
     return engine
 
 

@@ -33,7 +33,11 @@ def config(*overrides: str):
 
 @pytest.mark.parametrize(
     "precision, zero, per_param, step",
-    [("fp32", 0, 4 + 4 + 8, 4), ("fp32", 1, 4 + 4 + 12 / 2, 12 / 2), ("bf16", 1, 2 + 2 + 12 / 2, 12 / 2)],
+    [
+        ("fp32", 0, 4 + 4 + 8, 4),  # the all-reduce's flat copy, with 2 data-parallel ranks
+        ("fp32", 1, 4 + 4 + 12 / 2, 12 / 2),
+        ("bf16", 1, 2 + 2 + 12 / 2, 12 / 2),
+    ],
 )
 def test_model_states_by_hand(precision, zero, per_param, step):
     """d 8, f 16, vocab 10, untied: encoder layer 4 x (64 + 8) + (128 + 16) + (128 + 8) + 2 LayerNorms

@@ -4,7 +4,8 @@ EncoderDecoder at the same config, and DeepSpeed's pipeline engine at 1 stage (s
 Everything runs in one process on the CPU with the same torch threads, on one fixed batch of
 `batch` pairs of exactly `src_len` source and `tgt_len` target tokens (no padding, so every position
 is work), with the same AdamW and label-smoothed loss. Every timed section runs `warmup` untimed
-steps first; a training step's time is the median of `steps` timed steps.
+steps first; a training step's time is the median of the `steps` timed steps of every round (the
+systems take turns `rounds` times).
 
 Precision: fp32, or bf16. The plain loops (ours and torchscale's) train pure bf16: parameters,
 gradients and AdamW's state in bf16, no fp32 master weights. DeepSpeed's bf16 mode (ZeRO 0 in a
@@ -63,6 +64,7 @@ class Bench:
     precision: str
     warmup: int
     steps: int
+    rounds: int = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -80,8 +82,8 @@ class Result:
     step_s: float  # median
     tokens_per_s: float  # target tokens
     flops_per_s: float  # model FLOPs (model_flops) per second
-    peak_fraction: float  # of the matmul peak at the same precision
     per_layer_s: float  # step_s / (2 depth): embeddings and output projection amortized over the layers
+    peak_fraction: float = 0.0  # of the matmul peak at the same precision (set by with_peak)
     per_layer_vs_shallowest: float = 1.0  # per_layer_s over this system's at the smallest depth
     fathom_speedup: float | None = None  # torchscale rows: our tokens/s over torchscale's
     engine_overhead: float | None = None  # deepspeed rows: engine step time over our plain loop's, minus 1
@@ -246,22 +248,27 @@ def check(bench: Bench) -> None:
             raise ConfigError(f"--compare torchscale: torchscale is not importable ({err}); run `make peers`") from None
 
 
-def step_time(system: str, cfg: ModelConfig, batch: MicroBatch, bench: Bench) -> float:
-    """Median seconds of one training step of `system`."""
+def step_times(system: str, cfg: ModelConfig, batch: MicroBatch, bench: Bench) -> list[float]:
+    """Seconds of each timed training step of `system`, freshly built."""
     with BUILDERS[system](cfg, batch, bench.dtype) as step:
-        return statistics.median(time_steps(step, bench.warmup, bench.steps))
+        return time_steps(step, bench.warmup, bench.steps)
 
 
-def run(bench: Bench, peak: float) -> list[Result]:
-    """Every system at every depth, in that order (systems of one depth measured back to back)."""
+def run(bench: Bench) -> list[Result]:
+    """Every system at every depth. The systems of one depth take turns for `rounds` rounds, so a
+    slow spell of a shared machine falls on all of them; each one's time is the median over rounds."""
     batch = synthetic_batch(bench.model.src_vocab_size, bench.batch, bench.src_len, bench.tgt_len)
     results = []
     for depth in bench.depths:
         cfg = replace(bench.model, encoder_layers=depth, decoder_layers=depth)
         flops = model_flops(cfg, bench.src_len, bench.tgt_len, bench.batch)
+        times: dict[str, list[float]] = {system: [] for system in bench.systems}
+        for _ in range(bench.rounds):
+            for system in bench.systems:
+                times[system] += step_times(system, cfg, batch, bench)
+                gc.collect()  # the last model and optimizer (DeepSpeed's engine is full of cycles) before the next
         for system in bench.systems:
-            seconds = step_time(system, cfg, batch, bench)
-            gc.collect()  # the last model and optimizer (DeepSpeed's engine is full of cycles) before the next
+            seconds = statistics.median(times[system])
             results.append(
                 Result(
                     system=system,
@@ -269,12 +276,16 @@ def run(bench: Bench, peak: float) -> list[Result]:
                     step_s=seconds,
                     tokens_per_s=bench.batch * bench.tgt_len / seconds,
                     flops_per_s=flops / seconds,
-                    peak_fraction=flops / seconds / peak,
                     per_layer_s=seconds / (2 * depth),
                 )
             )
     compare(results)
     return results
+
+
+def with_peak(results: list[Result], peak: float) -> None:
+    for r in results:
+        r.peak_fraction = r.flops_per_s / peak
 
 
 def compare(results: list[Result]) -> None:

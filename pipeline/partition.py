@@ -48,36 +48,45 @@ def layer_costs(cfg: ModelConfig) -> list[int]:
     return costs
 
 
-def _greedy_bounds(costs: list[int], parts: int, limit: int) -> list[int] | None:
-    """Stages filled left to right up to `limit` each, every stage keeping at least one layer;
-    None when `parts` stages cannot hold them all."""
-    bounds, load = [0], 0
+def _greedy_bounds(costs: list[int], parts: int, limit: int, required: list[bool]) -> list[int] | None:
+    """Stages filled left to right up to `limit` each, every stage keeping at least one required
+    layer; None when `parts` stages cannot hold them all."""
+    bounds, load, has_required = [0], 0, False
+    left = sum(required)  # required layers from i on
     for i, cost in enumerate(costs):
-        must_cut = len(costs) - i == parts - len(bounds)  # the rest need a stage each
-        if i > bounds[-1] and (load + cost > limit or must_cut):
+        # the required layers from here on are as many as the stages still to open: one each
+        must_cut = required[i] and left == parts - len(bounds)
+        if has_required and (load + cost > limit or must_cut):
             if len(bounds) == parts:
                 return None
             bounds.append(i)
-            load = 0
+            load, has_required = 0, False
         load += cost
-    return [*bounds, len(costs)] if load <= limit and len(bounds) == parts else None
+        has_required |= required[i]
+        left -= required[i]
+    return [*bounds, len(costs)] if load <= limit and len(bounds) == parts and has_required else None
 
 
-def balanced_bounds(costs: list[int], parts: int) -> list[int]:
-    """Where each of `parts` contiguous, non-empty stages starts (and the end), minimizing the
-    costliest stage: a bisection on that cost, each probe a greedy left-to-right fill."""
-    if not 1 <= parts <= len(costs):
-        raise ValueError(f"cannot cut {len(costs)} layers into {parts} non-empty stages")
+def balanced_bounds(costs: list[int], parts: int, required: list[bool] | None = None) -> list[int]:
+    """Where each of `parts` contiguous stages starts (and the end), each holding at least one
+    `required` layer (default: any), minimizing the costliest stage: a bisection on that cost, each
+    probe a greedy left-to-right fill."""
+    required = required or [True] * len(costs)
+    if not 1 <= parts <= sum(required):
+        raise ValueError(f"cannot cut {sum(required)} required layers into {parts} stages")
     low, high = max(costs) - 1, sum(costs)  # infeasible, feasible
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if _greedy_bounds(costs, parts, mid) else (mid, high)
-    return _greedy_bounds(costs, parts, high)
+        low, high = (low, mid) if _greedy_bounds(costs, parts, mid, required) else (mid, high)
+    return _greedy_bounds(costs, parts, high, required)
 
 
 def stage_bounds(cfg: ModelConfig, stages: int) -> list[int]:
-    """Spec indices where each stage starts (and the end)."""
-    return balanced_bounds(layer_costs(cfg), stages)
+    """Spec indices where each stage starts (and the end). Every stage holds a Transformer layer: a
+    stage of only the output layer idles through most of the step (and its tied-embedding-only
+    processes crashed at exit in DeepSpeed 0.19)."""
+    layers = [spec.typename in (EncoderLayerPipe, DecoderLayerPipe) for _, spec in layer_specs(cfg)]
+    return balanced_bounds(layer_costs(cfg), stages, layers)
 
 
 def stage_costs(cfg: ModelConfig, stages: int) -> list[int]:

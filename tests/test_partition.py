@@ -7,7 +7,7 @@ from deepspeed.runtime.utils import partition_balanced
 
 from model import ModelConfig
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
-from pipeline.partition import balanced_bounds, layer_costs, stage_costs
+from pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
 
 
 def config(layers: int, dim: int, ffn: int, vocab: int, **kw) -> ModelConfig:
@@ -51,23 +51,36 @@ def test_mixed_model_is_balanced_by_cost_not_by_layer_count(cfg, stages):
     assert imbalance(stage_costs(cfg, stages)) < imbalance(by_layer_count(cfg, stages))
 
 
-def slowest_stage_by_brute_force(costs: list[int], parts: int) -> int:
-    return min(
-        max(sum(costs[a:b]) for a, b in itertools.pairwise([0, *cuts, len(costs)]))
-        for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
-    )
+def slowest_stage_by_brute_force(costs: list[int], parts: int, required: list[bool]) -> int:
+    cuts = itertools.combinations(range(1, len(costs)), parts - 1)
+    stages = [list(itertools.pairwise([0, *cut, len(costs)])) for cut in cuts]
+    return min(max(sum(costs[a:b]) for a, b in s) for s in stages if all(any(required[a:b]) for a, b in s))
 
 
 @pytest.mark.parametrize(
     "costs", [[5, 1, 1, 1, 5], [0, 3, 3, 0, 4, 4, 9], [1] * 7, [0, 0, 0, 10], [7, 0, 2, 2, 2, 0, 1]]
 )
-def test_balanced_bounds_cut_the_optimal_non_empty_stages(costs):
-    for parts in range(1, len(costs) + 1):
-        bounds = balanced_bounds(costs, parts)
+@pytest.mark.parametrize("marked", ["all", "inner"])
+def test_balanced_bounds_cut_the_optimal_stages(costs, marked):
+    """Optimal bottleneck, every stage holding a required layer (all; or all but the two ends, like
+    the embedding and output layers around the Transformer layers)."""
+    required = [marked == "all" or 0 < i < len(costs) - 1 for i in range(len(costs))]
+    for parts in range(1, sum(required) + 1):
+        bounds = balanced_bounds(costs, parts, required)
         assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == parts + 1
-        assert all(a < b for a, b in itertools.pairwise(bounds)), "every stage holds a layer"
+        assert all(any(required[a:b]) for a, b in itertools.pairwise(bounds)), "every stage holds a required layer"
         slowest = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
-        assert slowest == slowest_stage_by_brute_force(costs, parts)
+        assert slowest == slowest_stage_by_brute_force(costs, parts, required)
+
+
+def test_every_stage_holds_a_transformer_layer():
+    """A small model with a large vocabulary: by cost alone the output layer would be a stage of its own."""
+    cfg = config(2, 32, 64, 5000, share_all_embeddings=True)
+    specs = [spec.typename.__name__ in TRANSFORMER_LAYERS for _, spec in layer_specs(cfg)]
+    assert balanced_bounds(layer_costs(cfg), 2)[1] == len(specs) - 1  # the unconstrained cut
+    for stages in (2, 3, 4):
+        bounds = stage_bounds(cfg, stages)
+        assert all(any(specs[a:b]) for a, b in itertools.pairwise(bounds))
 
 
 def test_balanced_bounds_match_deepspeeds_slowest_stage_and_take_milliseconds():

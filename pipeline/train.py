@@ -281,10 +281,6 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             engine.save_checkpoint(str(save_dir), client_state={"best_valid_loss": best})
     report_peaks(baseline_memory, engine.stage_id, save_dir)
-    # Torn down here rather than at interpreter exit, where one CI run's process aborted after the run
-    # had finished ("terminate called without an active exception", exit 250).
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -303,3 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                 "or choose another save_dir"
             )
     train(cfg, corpus, args.resume)
+    # Torn down here rather than at interpreter exit, where one CI run's process aborted after the run
+    # had finished ("terminate called without an active exception", exit 250).
+    dist.barrier()
+    dist.destroy_process_group()

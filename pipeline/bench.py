@@ -38,7 +38,7 @@ from model.loss import label_smoothed_cross_entropy
 from model.transformer import Transformer
 from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
-from pipeline.layers import layer_specs
+from pipeline.layers import Modules, layer_specs, run_layer
 from pipeline.partition import stage_bounds
 from pipeline.peers import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 from pipeline.train import build_engine, release_shm_buffer
@@ -313,13 +313,10 @@ class StageTime:
 def stage_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
     """Every pipeline spec built once in this process (tied specs share their module), with the
     callable the engine runs."""
-    tied: dict[str, nn.Module] = {}
-    layers = []
+    build, layers = Modules(training=True), []
     for _, spec in layer_specs(cfg):
-        key = getattr(spec, "key", None)
-        module = tied.setdefault(key, spec.build()) if key else spec.build()
-        forward = getattr(spec, "forward_fn", None)
-        layers.append((module, partial(forward, module) if forward else module))
+        module = build(spec)
+        layers.append((module, partial(run_layer, spec, module)))
     return layers
 
 

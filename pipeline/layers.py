@@ -78,6 +78,28 @@ class OutputProjectionPipe(Embedding):
 TRANSFORMER_LAYERS = ["EncoderLayerPipe", "DecoderLayerPipe"]
 
 
+class Modules:
+    """Builds the module of each spec in turn, outside the engine; tied specs reuse the module of
+    their first use, as DeepSpeed does."""
+
+    def __init__(self, training: bool = False) -> None:
+        self.training = training
+        self.tied: dict[str, nn.Module] = {}
+
+    def __call__(self, spec: LayerSpec) -> nn.Module:
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied:
+                self.tied[spec.key] = spec.build().train(self.training)
+            return self.tied[spec.key]
+        return spec.build().train(self.training)
+
+
+def run_layer(spec: LayerSpec, module: nn.Module, activations: Activations | Tensor) -> Activations | Tensor:
+    """What the engine runs for a spec: its forward_fn on the module (tied re-uses), else the module."""
+    forward_fn = getattr(spec, "forward_fn", None)
+    return forward_fn(module, activations) if forward_fn else module(activations)
+
+
 def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
     """(reference module name, spec) for every pipeline layer, in order.
 

@@ -16,7 +16,14 @@ import itertools
 from deepspeed.pipe import PipelineModule
 
 from model.config import ModelConfig
-from pipeline.layers import DecoderLayerPipe, EncoderLayerPipe, OutputProjectionPipe, layer_specs, project_output
+from pipeline.layers import (
+    TRANSFORMER_LAYERS,
+    DecoderLayerPipe,
+    EncoderLayerPipe,
+    OutputProjectionPipe,
+    layer_specs,
+    project_output,
+)
 
 # Attention scores cost ~2 L d multiply-adds per token and attention; L is not known when the stages
 # are cut, so a typical sentence length stands in.
@@ -81,17 +88,22 @@ def balanced_bounds(costs: list[int], parts: int, required: list[bool] | None = 
     return _greedy_bounds(costs, parts, high, required)
 
 
+def cut_stages(cfg: ModelConfig, stages: int) -> tuple[list[int], list[int]]:
+    """Spec indices where each stage starts (and the end), and each stage's cost. Every stage holds a
+    Transformer layer: a stage of only the output layer idles through most of the step (and its
+    tied-embedding-only processes crashed at exit in DeepSpeed 0.19)."""
+    costs = layer_costs(cfg)
+    layers = [spec.typename.__name__ in TRANSFORMER_LAYERS for _, spec in layer_specs(cfg)]
+    bounds = balanced_bounds(costs, stages, layers)
+    return bounds, [sum(costs[start:stop]) for start, stop in itertools.pairwise(bounds)]
+
+
 def stage_bounds(cfg: ModelConfig, stages: int) -> list[int]:
-    """Spec indices where each stage starts (and the end). Every stage holds a Transformer layer: a
-    stage of only the output layer idles through most of the step (and its tied-embedding-only
-    processes crashed at exit in DeepSpeed 0.19)."""
-    layers = [spec.typename in (EncoderLayerPipe, DecoderLayerPipe) for _, spec in layer_specs(cfg)]
-    return balanced_bounds(layer_costs(cfg), stages, layers)
+    return cut_stages(cfg, stages)[0]
 
 
 def stage_costs(cfg: ModelConfig, stages: int) -> list[int]:
-    costs, bounds = layer_costs(cfg), stage_bounds(cfg, stages)
-    return [sum(costs[start:stop]) for start, stop in itertools.pairwise(bounds)]
+    return cut_stages(cfg, stages)[1]
 
 
 class CostBalancedPipeline(PipelineModule):
@@ -103,8 +115,7 @@ class CostBalancedPipeline(PipelineModule):
         super().__init__(*args, **kwargs)
 
     def _partition_layers(self, method: str = "cost") -> None:
-        self.parts = stage_bounds(self.model_config, self.num_stages)
-        costs = stage_costs(self.model_config, self.num_stages)
+        self.parts, costs = cut_stages(self.model_config, self.num_stages)
         if self.global_rank == 0:
             mean = sum(costs) / len(costs)
             for stage, (start, stop) in enumerate(itertools.pairwise(self.parts)):

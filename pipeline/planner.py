@@ -33,11 +33,12 @@ from torch import Tensor, nn
 from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from pipeline.config import RunConfig, load_config
-from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
-from pipeline.memory import MEMORY_FILE
+from pipeline.layers import TRANSFORMER_LAYERS, layer_specs, run_layer
+from pipeline.memory import MEMORY_FILE, GiB, MeasuredPeak
 from pipeline.partition import stage_bounds
+from pipeline.train import build_corpus, with_vocab
 
-GB, GiB = 10**9, 2**30
+GB = 10**9
 # A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
 # gloo, autograd's threads): measured 45-140 MiB above the estimate at 6 to 96 layers
 # (docs/BENCHMARKS.md). A GPU's allocator counts none of it.
@@ -138,11 +139,6 @@ def _saved_bytes(run: Callable[[], object], skip: set[int]) -> tuple[object, int
     return output, sum(saved.values())
 
 
-def _run(spec: LayerSpec, module: nn.Module, inputs: object) -> object:
-    forward = getattr(spec, "forward_fn", None)
-    return forward(module, inputs) if forward else module(inputs)
-
-
 def _module_key(spec: LayerSpec) -> str:
     """Specs with one key build equal modules (tied ones: the same module)."""
     if isinstance(spec, TiedLayerSpec):
@@ -171,7 +167,7 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
             # every decoder layer reads the same encoder_out: the stage holds it once
             riding = value[1:] if isinstance(value, tuple) else ()
             skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
-            output, saved = _saved_bytes(partial(_run, spec, module, value), skip)
+            output, saved = _saved_bytes(partial(run_layer, spec, module, value), skip)
             floats = _float_bytes(output if isinstance(output, tuple) else (output,))
             trace = LayerTrace(
                 tied_key=spec.key if isinstance(spec, TiedLayerSpec) else None,
@@ -278,26 +274,25 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * units[(match[2] or "GB").lower()])
 
 
-def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int | None) -> MicroBatchShape:
-    """The worst micro-batch of the run: its longest pair (with eos) unless given, and as many
-    pairs as the batch size or token budget allows."""
-    if length is None:
-        from pipeline.train import build_corpus  # reads the data only when it must
+def with_data(cfg: RunConfig, length: int | None) -> int:
+    """Fills the vocabulary sizes the config leaves out from the data's dictionaries, and returns
+    `length`, else the data's longest pair (with eos); reads the data only if one of them is missing."""
+    vocab_missing = cfg.model.src_vocab_size is None or cfg.model.tgt_vocab_size is None
+    if length is not None and not vocab_missing:
+        return length
+    corpus = build_corpus(cfg)
+    if vocab_missing:
+        cfg.model = with_vocab(cfg.model, corpus)
+    return length or int(corpus.lengths().max())
 
-        length = int(build_corpus(cfg).lengths().max())
+
+def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> MicroBatchShape:
+    """The worst micro-batch of the run: pairs padded to `length`, as many as the batch size or the
+    token budget allows unless given."""
     if sentences is None:
         budget = cfg.data.max_tokens
         sentences = max(1, budget // length) if budget else cfg.deepspeed["train_micro_batch_size_per_gpu"]
     return MicroBatchShape(sentences, length)
-
-
-def with_data_vocab(cfg: RunConfig) -> RunConfig:
-    """Vocabulary sizes from the data's dictionaries where the config leaves them out."""
-    if cfg.model.src_vocab_size is None or cfg.model.tgt_vocab_size is None:
-        from pipeline.train import build_corpus, with_vocab
-
-        cfg.model = with_vocab(cfg.model, build_corpus(cfg))
-    return cfg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -346,12 +341,11 @@ def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
     if not path.exists():
         raise ConfigError(f"--measured: {path} does not exist; it is written when a training run finishes")
     lines = []
-    for rank in json.loads(path.read_text()):
-        measured = rank["peak"] - rank["baseline"]
-        estimate = estimates[rank["stage"]].peak
+    for rank in (MeasuredPeak(**entry) for entry in json.loads(path.read_text())):
+        estimate = estimates[rank.stage].peak
         lines.append(
-            f"rank {rank['rank']} (stage {rank['stage']}): measured {measured / GiB:.3f} GiB, "
-            f"estimated {estimate / GiB:.3f} GiB ({estimate / measured - 1:+.1%})"
+            f"rank {rank.rank} (stage {rank.stage}): measured {rank.model_bytes / GiB:.3f} GiB, "
+            f"estimated {estimate / GiB:.3f} GiB ({estimate / rank.model_bytes - 1:+.1%})"
         )
     return "\n".join(lines)
 
@@ -360,12 +354,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
         overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages else [])]
-        cfg = with_data_vocab(load_config(args.config, overrides, world_size=None))
+        cfg = load_config(args.config, overrides, world_size=None)
         for flag in ("data_parallel", "sentences", "length"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}: must be at least 1")
         memory = parse_size(args.gpu_memory) if args.gpu_memory else None
-        shape = micro_batch_shape(cfg, args.sentences, args.length)
+        shape = micro_batch_shape(cfg, args.sentences, with_data(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
         estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
         print(report(cfg, estimates, shape, args.data_parallel))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import LayerSpec
 from torch import nn
 from tqdm import tqdm
 
@@ -45,7 +45,7 @@ from pipeline.checkpoint import (
 from pipeline.corpus import BinarizedCorpus, sentencepiece_model
 from pipeline.data import collate
 from pipeline.hooks import ScheduleHook
-from pipeline.layers import layer_specs
+from pipeline.layers import Modules, layer_specs, run_layer
 from pipeline.staging import check_out, staged
 
 CHECKPOINT = "checkpoint.pt"
@@ -123,25 +123,10 @@ class SpecRunner:
 
     @torch.no_grad()
     def __call__(self, spec: LayerSpec, module: nn.Module) -> None:
-        forward_fn = getattr(spec, "forward_fn", None)
-        self.activations = forward_fn(module, self.activations) if forward_fn else module(self.activations)
+        self.activations = run_layer(spec, module, self.activations)
 
     def log_probs(self) -> torch.Tensor:
         return F.log_softmax(self.activations.float(), dim=-1)
-
-
-class Modules:
-    """Builds the module of each spec in turn; tied specs reuse the module of their first use."""
-
-    def __init__(self) -> None:
-        self.tied: dict[str, nn.Module] = {}
-
-    def __call__(self, spec: LayerSpec) -> nn.Module:
-        if isinstance(spec, TiedLayerSpec):
-            if spec.key not in self.tied:
-                self.tied[spec.key] = spec.build().eval()
-            return self.tied[spec.key]
-        return spec.build().eval()
 
 
 def write_raw_split(data: Path, split: str, out: Path) -> None:

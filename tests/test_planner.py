@@ -17,7 +17,7 @@ from pipeline.planner import (
     parse_size,
     smallest_stage_count,
     trace_layers,
-    with_data_vocab,
+    with_data,
 )
 from tests.conftest import ROOT, launch
 
@@ -121,8 +121,8 @@ def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     result = launch("scripts/train.py", "--config", "ds_configs/default.json", "--override", *overrides)
     assert result.returncode == 0
     measured = json.loads((tmp_path / MEMORY_FILE).read_text())
-    cfg = with_data_vocab(load_config(ROOT / "ds_configs" / "default.json", overrides, world_size=None))
-    shape = micro_batch_shape(cfg, None, None)
+    cfg = load_config(ROOT / "ds_configs" / "default.json", overrides, world_size=None)
+    shape = micro_batch_shape(cfg, None, with_data(cfg, None))
     estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device="cpu")
     for rank in measured:
         predicted = estimates[rank["stage"]].peak

@@ -7,10 +7,17 @@ spec list says which module of the reference model each file belongs to.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ConfigError, ModelConfig
 from model.transformer import Transformer
@@ -19,6 +26,12 @@ from pipeline.hooks import ScheduleHook
 from pipeline.layers import layer_specs
 
 CONFIG_FILE = "config.json"
+# The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
+DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
+# The run's dictionaries by content: a data directory with the same vocabulary sizes but other
+# dictionaries would train or translate garbage without an error.
+DICTIONARIES_FILE = "dictionaries.json"
 
 
 def model_config(save_dir: str | Path) -> ModelConfig:
@@ -28,13 +41,54 @@ def model_config(save_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_dict(json.loads(path.read_text())["model"])
 
 
-def check_vocab(cfg: ModelConfig, corpus: BinarizedCorpus, data: str | Path) -> None:
-    """Fails unless the data directory's dictionaries fit the model's embeddings."""
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers see the old content or the new, never a partial file, whenever the writer dies."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def dictionary_digests(corpus: BinarizedCorpus, data: str | Path) -> dict[str, str]:
+    names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
+    return {name: hashlib.sha256((Path(data) / name).read_bytes()).hexdigest() for name in sorted(names)}
+
+
+def write_dictionaries(save_dir: str | Path, corpus: BinarizedCorpus, data: str | Path) -> None:
+    text = json.dumps({"data": str(data), "sha256": dictionary_digests(corpus, data)}, indent=2)
+    write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
+
+
+def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: BinarizedCorpus, data: str | Path) -> None:
+    """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
+    (by content where the run recorded them, by size for older runs)."""
+    fix = "use the run's data directory"
     if (cfg.src_vocab_size, cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
         raise ConfigError(
             f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
-            f"trained with {cfg.src_vocab_size}/{cfg.tgt_vocab_size}; use the run's data directory"
+            f"trained with {cfg.src_vocab_size}/{cfg.tgt_vocab_size}; {fix}"
         )
+    recorded = Path(save_dir) / DICTIONARIES_FILE
+    if not recorded.exists():
+        return
+    trained = json.loads(recorded.read_text())
+    for name, digest in dictionary_digests(corpus, data).items():
+        if trained["sha256"].get(name) != digest:
+            raise ConfigError(
+                f"{data}: {name} is not the dictionary the run in {save_dir} was trained with "
+                f"(that was {trained['data']}); {fix}"
+            )
 
 
 def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
@@ -48,6 +102,25 @@ def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
     if not path.is_dir():
         raise ConfigError(f"{save_dir}: no checkpoint tagged '{tag}'")
     return path
+
+
+def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = ()) -> Any:
+    """torch.load that cannot run code (weights_only; `allowed` names the plain-data classes a format
+    needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "GLOBAL " not in str(err):  # not a refused class: garbage where a pickle should be
+            raise ConfigError(f"{path}: unreadable ({err}); the file is damaged or not a checkpoint") from None
+        name = str(err).partition("GLOBAL ")[2].split(" ", 1)[0]
+        raise ConfigError(
+            f"{path}: holds {name}, which fathom does not unpickle (it could run code); "
+            "load only checkpoints written by fathom or DeepSpeed"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{path}: unreadable ({first}); the file is truncated or not a checkpoint") from None
 
 
 def layer_file(checkpoint: Path, index: int) -> Path:
@@ -70,7 +143,7 @@ def global_step(checkpoint: Path) -> int:
     path = checkpoint / "mp_rank_00_model_states.pt"
     if not path.exists():
         return 0
-    return int(torch.load(path, map_location="cpu", weights_only=True)["global_steps"])
+    return int(load_file(path, allowed=DEEPSPEED_STATE_TYPES)["global_steps"])
 
 
 # What must agree for one model's weights to load into another.
@@ -89,15 +162,19 @@ SHAPE_KEYS = (
 )
 
 
-def check_init_from(save_dir: str | Path, cfg: ModelConfig) -> Path:
-    """The checkpoint train.init_from names, checked against the run's model; fails in one line."""
+def check_same_model(save_dir: str | Path, cfg: ModelConfig, option: str, fix: str) -> None:
+    """Fails in one line unless the run in save_dir trained the model `cfg` describes."""
     source = model_config(save_dir)
     for key in SHAPE_KEYS:
         if getattr(source, key) != getattr(cfg, key):
             raise ConfigError(
-                f"train.init_from: model.{key} is {getattr(source, key)} in {save_dir} but {getattr(cfg, key)} "
-                "here; the model section must describe the same model"
+                f"{option}: model.{key} is {getattr(source, key)} in {save_dir} but {getattr(cfg, key)} here; {fix}"
             )
+
+
+def check_init_from(save_dir: str | Path, cfg: ModelConfig) -> Path:
+    """The checkpoint train.init_from names, checked against the run's model; fails in one line."""
+    check_same_model(save_dir, cfg, "train.init_from", "the model section must describe the same model")
     checkpoint = checkpoint_dir(save_dir)
     missing_layer_files(cfg, checkpoint)
     return checkpoint
@@ -112,7 +189,7 @@ def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
     for index, (name, _) in enumerate(layer_specs(cfg)):
         if name is None:
             continue
-        state = torch.load(layer_file(checkpoint, index), map_location="cpu", weights_only=True)
+        state = load_file(layer_file(checkpoint, index))
         model.get_submodule(name).load_state_dict(state)
     ScheduleHook(model)(global_step(checkpoint))
     return model.eval()

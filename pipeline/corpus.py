@@ -127,6 +127,15 @@ class BinarizedCorpus:
         self.src_vocab_size, self.tgt_vocab_size = len(self.src_dict), len(self.tgt_dict)
         self.sources = IndexedDataset(path / f"{split}.{self.src}", self.meta["dtype"])
         self.targets = IndexedDataset(path / f"{split}.{self.tgt}", self.meta["dtype"])
+        for lang, sentences, size in (
+            (self.src, self.sources, self.src_vocab_size),
+            (self.tgt, self.targets, self.tgt_vocab_size),
+        ):
+            if len(sentences.data) and (largest := int(sentences.data.max())) >= size:
+                raise ConfigError(
+                    f"{path}/{split}.{lang}.bin: token id {largest}, but dict.{lang}.txt has {size} entries; the "
+                    "dictionary does not belong to this data: rerun scripts/prepare_data.py"
+                )
 
     def __len__(self) -> int:
         return len(self.sources)

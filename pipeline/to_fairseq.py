@@ -39,6 +39,7 @@ from pipeline.checkpoint import (
     checkpoint_dir,
     global_step,
     layer_file,
+    load_file,
     missing_layer_files,
     model_config,
 )
@@ -142,10 +143,10 @@ def write_raw_split(data: Path, split: str, out: Path) -> None:
 
 
 def load_layer(path: Path, module: nn.Module) -> None:
+    state = load_file(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
         module.load_state_dict(state)
-    except (RuntimeError, EOFError, OSError) as err:
+    except RuntimeError as err:
         reason = str(err).splitlines()[0]
         raise ConfigError(f"{path}: cannot load ({reason}); the checkpoint is damaged or from another model") from None
 
@@ -248,7 +249,7 @@ class Export:
         corpus = BinarizedCorpus(data, "valid")
         if splits is None:
             splits = [split for split in corpus.meta["splits"] if split != "train"]
-        check_vocab(self.cfg, corpus, data)
+        check_vocab(self.checkpoint.parent, self.cfg, corpus, data)
         spm_files = sorted({sentencepiece_model(data, lang) for lang in (corpus.src, corpus.tgt)})
         batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
         state, difference = self.fairseq_state(batch)

@@ -47,7 +47,7 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     data = Path(args.data)
     corpus = BinarizedCorpus(data, args.subset)
     model = load_reference(args.checkpoint, args.tag)
-    check_vocab(model.cfg, corpus, data)
+    check_vocab(args.checkpoint, model.cfg, corpus, data)
     detok = spm.SentencePieceProcessor(model_file=str(sentencepiece_model(data, corpus.tgt)))
     order = np.argsort(corpus.sources.lengths, kind="stable")  # similar lengths batch together
     hypotheses: list[str] = [""] * len(corpus)

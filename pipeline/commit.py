@@ -1,0 +1,254 @@
+"""Checkpoints that survive a crash at any moment, and that cannot run code when loaded.
+
+DeepSpeed's save_checkpoint has global rank 0 rewrite SAVE_DIR/latest as soon as rank 0's own files
+are written, while other ranks may still be writing theirs, and rewrites it in place: a job killed at
+the wrong moment leaves `latest` naming a half-written checkpoint, or an empty `latest`. fathom saves
+with save_latest=False and commits the checkpoint itself:
+
+1. every rank writes its files (DeepSpeed, through CommittingCheckpointEngine) and fsyncs them;
+2. the ranks gather the names and sizes of the files they wrote; after that, global rank 0 writes
+   TAG/fathom_manifest.json, then points `latest` (or the `best` link) at TAG with an atomic rename.
+
+A tag directory with a manifest is complete; `latest` and `best` only ever name complete ones. Before
+resuming, `verify` checks the manifest's files and sizes, so a checkpoint damaged afterwards (a
+truncated copy, a full disk) is a one-line error instead of a traceback from deep inside DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+from model.config import ConfigError
+from pipeline.checkpoint import (
+    CONFIG_FILE,
+    DEEPSPEED_STATE_TYPES,
+    check_same_model,
+    check_vocab,
+    fsync_dir,
+    load_file,
+    model_config,
+    write_atomic,
+)
+from pipeline.config import RunConfig
+from pipeline.corpus import BinarizedCorpus
+from pipeline.data import ParallelCorpus
+
+MANIFEST = "fathom_manifest.json"
+LATEST = "latest"
+BEST = "best"
+
+
+class CommittingCheckpointEngine(TorchCheckpointEngine):
+    """DeepSpeed's torch checkpoint engine, plus: every file written is fsynced and remembered (for the
+    manifest), and every file read is read with weights_only."""
+
+    def __init__(self, zipfile_serialization: bool):
+        super().__init__(config_params=None)
+        self.zipfile_serialization = zipfile_serialization
+        self.written: dict[str, dict[str, Any]] = {}
+
+    def save(self, state_dict: Any, path: str) -> None:
+        super().save(state_dict, path)
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        self.written[Path(path).name] = {"bytes": os.path.getsize(path), "zip": zipfile.is_zipfile(path)}
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return load_file(path, map_location, allowed=DEEPSPEED_STATE_TYPES)
+
+
+def install(engine: deepspeed.DeepSpeedEngine) -> None:
+    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+        raise ConfigError(
+            f"checkpoint: fathom's crash-safe commit works with DeepSpeed's default torch checkpoint engine, "
+            f"not {type(engine.checkpoint_engine).__name__}; remove the checkpoint writer settings"
+        )
+    engine.checkpoint_engine = CommittingCheckpointEngine(engine.checkpoint_engine.zipfile_serialization)
+
+
+def link_atomic(path: Path, target: str) -> None:
+    """Points the symlink `path` at `target` in one rename (over a plain directory of an older run, too)."""
+    if path.is_dir() and not path.is_symlink():
+        path.rename(path.with_name(f"{path.name}_legacy"))
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def best_tag(step: int) -> str:
+    """The directory a best checkpoint is written to; the `best` link names the newest committed one."""
+    return f"{BEST}_global_step{step}"
+
+
+def save(engine: deepspeed.PipelineEngine, save_dir: str | Path, client_state: dict[str, Any], best: bool) -> str:
+    """Saves and commits one checkpoint on all ranks; returns its tag."""
+    save_dir = Path(save_dir)
+    tag = best_tag(engine.global_steps) if best else f"global_step{engine.global_steps}"
+    writer: CommittingCheckpointEngine = engine.checkpoint_engine
+    if dist.get_rank() == 0:
+        # A manifest left from an earlier attempt at this tag must not vouch for files being rewritten
+        # (DeepSpeed's save starts with a barrier, so no rank writes before this is gone).
+        (save_dir / tag / MANIFEST).unlink(missing_ok=True)
+    writer.written = {}
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    every_rank: list[dict[str, dict[str, Any]]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every_rank, writer.written)
+    if dist.get_rank() == 0:
+        files = {name: entry for written in every_rank for name, entry in written.items()}
+        manifest = {"tag": tag, "step": engine.global_steps, "world_size": dist.get_world_size(), "files": files}
+        write_atomic(save_dir / tag / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if best:
+            previous = (save_dir / BEST).resolve() if (save_dir / BEST).is_symlink() else None
+            link_atomic(save_dir / BEST, tag)
+            if previous is not None and previous.name != tag:
+                shutil.rmtree(previous, ignore_errors=True)
+        else:
+            write_atomic(save_dir / LATEST, tag)
+    dist.barrier()
+    return tag
+
+
+def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, Any]:
+    """Resumes from the latest (committed) checkpoint; returns its client state."""
+    verify_contents(save_dir)
+    try:
+        path, client_state = engine.load_checkpoint(str(save_dir))
+    except RuntimeError as err:  # e.g. a state dict that does not fit the model, if check_resume was skipped
+        first = (str(err).strip().splitlines() or ["RuntimeError"])[0]
+        raise ConfigError(f"{save_dir}: the latest checkpoint does not fit this model ({first})") from None
+    if dist.get_rank() == 0:
+        print(f"fathom: resumed from {save_dir}/{Path(path).parent.name} at step {engine.global_steps}", flush=True)
+        if removed := remove_uncommitted(save_dir):
+            print(f"fathom: removed what crashed saves left: {', '.join(removed)}", flush=True)
+    return client_state
+
+
+def latest_tag(save_dir: str | Path) -> str | None:
+    path = Path(save_dir) / LATEST
+    return path.read_text().strip() if path.exists() else None
+
+
+def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
+    """None for a checkpoint written before fathom committed checkpoints (or by plain DeepSpeed)."""
+    path = checkpoint / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
+    """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
+    against the zip archive's CRC-32s (torch's format), which reads the whole file."""
+    if not path.exists():
+        return f"{path}: missing; restore the file or start a new run"
+    if path.stat().st_size != entry["bytes"]:
+        return (
+            f"{path}: {path.stat().st_size} bytes, but {entry['bytes']} when it was saved; the file is truncated "
+            "or damaged: restore it or start a new run"
+        )
+    if read and entry["zip"]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except zipfile.BadZipFile:
+            bad = "the archive"
+        if bad is not None:
+            return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
+    return None
+
+
+def committed_files(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(tag directory, manifest) of the latest checkpoint; None if there is none or it predates manifests."""
+    tag = latest_tag(save_dir)
+    if tag is None:
+        return None
+    checkpoint = Path(save_dir) / tag
+    if not checkpoint.is_dir():
+        raise ConfigError(f"{save_dir}/{LATEST} names '{tag}', which does not exist; restore it or start a new run")
+    manifest = read_manifest(checkpoint)
+    return None if manifest is None else (checkpoint, manifest)
+
+
+def verify(save_dir: str | Path, world_size: int) -> None:
+    """Fails in one line unless the latest checkpoint's files are all there at their saved sizes and it
+    fits a launch of `world_size` ranks. Reads no file: every rank runs it before launching."""
+    if (committed := committed_files(save_dir)) is None:
+        return
+    checkpoint, manifest = committed
+    for name, entry in sorted(manifest["files"].items()):
+        if problem := damage(checkpoint / name, entry, read=False):
+            raise ConfigError(problem)
+    if manifest["world_size"] != world_size:
+        raise ConfigError(
+            f"--resume: checkpoint {checkpoint.name} was written by {manifest['world_size']} processes and this "
+            f"launch has {world_size}; launch {manifest['world_size']}, or start a new run from its weights with "
+            f"train.init_from={save_dir}"
+        )
+
+
+def verify_contents(save_dir: str | Path) -> None:
+    """Every byte of the latest checkpoint against its checksums, the files shared out among the ranks;
+    all ranks agree, so that a damaged file ends every rank cleanly rather than one rank mid-load."""
+    committed = committed_files(save_dir)
+    problem = None
+    if committed is not None:
+        checkpoint, manifest = committed
+        mine = sorted(manifest["files"].items())[dist.get_rank() :: dist.get_world_size()]
+        problem = next((p for name, entry in mine if (p := damage(checkpoint / name, entry, read=True))), None)
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is None:
+        return
+    if dist.get_rank() == 0:
+        raise ConfigError(first)
+    sys.exit(2)  # rank 0 reports it
+
+
+def remove_uncommitted(save_dir: str | Path) -> list[str]:
+    """Deletes what crashed saves left: tag directories without a manifest past the latest step, and best
+    checkpoints the `best` link no longer names. Returns their names. Global rank 0 only."""
+    save_dir = Path(save_dir)
+    tag = latest_tag(save_dir)
+    latest_step = int(tag.removeprefix("global_step")) if tag and tag.startswith("global_step") else -1
+    linked = (save_dir / BEST).resolve().name if (save_dir / BEST).is_symlink() else None
+    removed = []
+    for path in sorted(save_dir.glob("*global_step*")):
+        if not path.is_dir() or path.is_symlink():
+            continue
+        step = path.name.rpartition("global_step")[2]
+        if not step.isdigit():
+            continue
+        crashed = path.name.startswith("global_step") and int(step) > latest_step and read_manifest(path) is None
+        stale_best = path.name.startswith(f"{BEST}_") and path.name != linked
+        if crashed or stale_best:
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, world_size: int) -> None:
+    """Fails in one line, before anything is written, unless this launch can continue the run in save_dir."""
+    save_dir = Path(save_dir)
+    if latest_tag(save_dir) is None:
+        return
+    if isinstance(corpus, BinarizedCorpus):
+        check_vocab(save_dir, model_config(save_dir), corpus, cfg.data.path)
+    check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
+    stages = json.loads((save_dir / CONFIG_FILE).read_text())["pipeline"]["stages"]
+    if stages != cfg.stages:
+        raise ConfigError(
+            f"--resume: pipeline.stages is {stages} in {save_dir} but {cfg.stages} here; resume with {stages} "
+            f"stages, or start a new run from its weights with train.init_from={save_dir}"
+        )
+    verify(save_dir, world_size)

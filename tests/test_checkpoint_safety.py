@@ -1,0 +1,184 @@
+"""Hostile checkpoints and data on --resume, export and generation: each is one line on stderr, exit
+status 2, nothing in the run directory rewritten; no checkpoint file can run code when loaded."""
+
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.config import ConfigError
+from pipeline import commit
+from pipeline.checkpoint import load_file
+from pipeline.corpus import BinarizedCorpus
+from pipeline.train import main
+from pipeline.translate import main as generate_main
+from tests.conftest import ROOT, launch
+
+DEFAULT = ROOT / "ds_configs" / "default.json"
+SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
+
+
+def train_args(run: Path, data: Path, *overrides: str) -> list[str]:
+    return ["--config", str(DEFAULT), "--override", *SMALL, f"data.path={data}", f"train.save_dir={run}",
+            "train.max_steps=2", *overrides]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, multi30k_slice) -> Path:
+    """A 2-stage run of 2 steps on real pairs, checkpointed at both steps."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    assert launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice)).returncode == 0
+    return run
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy, symlinks=True)
+    return copy
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
+
+
+def resume_fails(capsys, monkeypatch, run: Path, data: Path, *overrides: str, world_size: int = 2) -> str:
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as exc:
+        main([*train_args(run, data, "train.max_steps=4", *overrides), "--resume"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("fathom: error: "), err
+    assert snapshot(run) == before, "a refused resume changed the run directory"
+    return err
+
+
+def latest_file(run: Path, pattern: str) -> Path:
+    return sorted((run / commit.latest_tag(run)).glob(pattern))[-1]
+
+
+def test_checkpoints_are_committed_whole(trained):
+    assert commit.latest_tag(trained) == "global_step2"
+    for tag in ("global_step1", "global_step2"):
+        manifest = commit.read_manifest(trained / tag)
+        assert manifest["world_size"] == 2 and manifest["step"] == int(tag[-1])
+        on_disk = {p.name for p in (trained / tag).iterdir()} - {commit.MANIFEST}
+        assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)
+        for name, entry in manifest["files"].items():
+            assert entry["zip"] and commit.damage(trained / tag / name, entry, read=True) is None
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["model.embed_dim=32"], 2, "--resume: model.embed_dim is 64 in"),
+        (["model.norm_scheme=pre_ln"], 2, "--resume: model.norm_scheme is branchnorm in"),
+        (["pipeline.stages=1", "train_batch_size=64"], 2, "--resume: pipeline.stages is 2 in"),
+        (["train_batch_size=64"], 4, "was written by 2 processes and this launch has 4; launch 2"),
+    ],
+)
+def test_resume_refuses_another_model_or_layout(capsys, monkeypatch, run, multi30k_slice, overrides, world_size,
+                                                message):  # fmt: skip
+    assert message in resume_fails(capsys, monkeypatch, run, multi30k_slice, *overrides, world_size=world_size)
+
+
+def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, multi30k_slice):
+    layer = latest_file(run, "layer_*")
+    with open(layer, "r+b") as f:
+        f.truncate(layer.stat().st_size // 2)
+    assert "bytes, but" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+    assert "truncated" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+    latest_file(run, "zero_pp_rank_*").unlink()
+    layer.unlink()
+    assert "missing; restore the file" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+
+
+def test_resume_refuses_a_latest_naming_nothing(capsys, monkeypatch, run, multi30k_slice):
+    (run / commit.LATEST).write_text("global_step99")
+    assert "names 'global_step99', which does not exist" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+
+
+@pytest.fixture
+def other_dictionary(multi30k_slice, tmp_path) -> Path:
+    """The same data with two dictionary entries swapped: same sizes, other token ids."""
+    data = tmp_path / "data"
+    shutil.copytree(multi30k_slice, data)
+    for name in ("dict.de.txt", "dict.en.txt"):
+        lines = (data / name).read_text().splitlines()
+        lines[10], lines[11] = lines[11], lines[10]
+        (data / name).write_text("\n".join(lines) + "\n")
+    return data
+
+
+def test_resume_and_generate_refuse_a_dictionary_the_run_was_not_trained_with(
+    capsys, monkeypatch, run, other_dictionary
+):
+    err = resume_fails(capsys, monkeypatch, run, other_dictionary)
+    assert "dict.de.txt is not the dictionary the run in" in err
+    with pytest.raises(SystemExit):
+        generate_main(["--checkpoint", str(run), "--data", str(other_dictionary), "--subset", "valid"])
+    assert "dict.de.txt is not the dictionary" in capsys.readouterr().err
+
+
+def test_data_binarized_with_another_dictionary_is_refused(multi30k_slice, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(multi30k_slice, data)
+    lines = (data / "dict.en.txt").read_text().splitlines()
+    (data / "dict.en.txt").write_text("\n".join(lines[:16]) + "\n")
+    with pytest.raises(ConfigError, match=r"train\.en\.bin: token id \d+, but dict\.en\.txt has 20 entries"):
+        BinarizedCorpus(data, "train")
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+MARKER = Path("/tmp/fathom-test-unpickled-code")
+
+
+def test_checkpoint_files_cannot_run_code(tmp_path):
+    MARKER.unlink(missing_ok=True)
+    evil = tmp_path / "layer_01-model_states.pt"
+    torch.save({"weight": torch.zeros(2), "payload": RunsCode()}, evil)
+    with pytest.raises(ConfigError, match="posix.system, which fathom does not unpickle"):
+        load_file(evil)
+    assert not MARKER.exists()
+    legacy = tmp_path / "legacy.pt"
+    legacy.write_bytes(pickle.dumps(RunsCode()))
+    with pytest.raises(ConfigError, match="legacy.pt: "):
+        load_file(legacy)
+    assert not MARKER.exists()
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="garbage.pt: unreadable"):
+        load_file(tmp_path / "garbage.pt")
+
+
+def test_deepspeed_optimizer_state_loads_without_unpickling_code(trained):
+    state = commit.CommittingCheckpointEngine(True).load(str(latest_file(trained, "zero_pp_rank_*")))
+    assert state["optimizer_state_dict"]["zero_stage"] == 1
+
+
+@pytest.mark.slow
+def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice):
+    """Same size, one byte flipped: only the checksums see it, after the process group is up."""
+    layer = latest_file(run, "layer_*")
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer.write_bytes(data)
+    with zipfile.ZipFile(layer) as archive:
+        assert archive.testzip() is not None
+    config_before = (run / "config.json").read_bytes()
+    result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=4"), "--resume")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = [line for line in output.splitlines() if "fathom: error:" in line]
+    assert len(errors) == 1 and "fails its checksum; the file is damaged" in errors[0], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert (run / "config.json").read_bytes() == config_before
+    assert commit.latest_tag(run) == "global_step2"

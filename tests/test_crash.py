@@ -1,0 +1,136 @@
+"""Kill-and-resume: a run killed ten times, at random moments and in the middle of checkpoint saves,
+ends with exactly the weights of a run never interrupted, and `latest` never names a broken checkpoint."""
+
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import commit
+from tests.conftest import ROOT, assert_same_training, free_port, launch
+
+pytestmark = pytest.mark.slow
+
+WORKER = ROOT / "tests" / "workers" / "crash_train.py"
+STEPS = 36
+OVERRIDES = [
+    "model.encoder_layers=2",
+    "model.decoder_layers=2",
+    "model.branchnorm.T=20",  # alpha moves on every step of the run
+    f"train.max_steps={STEPS}",
+    "train.save_interval=3",
+    "train.valid_interval=5",
+    "train.log_interval=1",
+]
+
+
+def command(save_dir: Path, port: int) -> list[str]:
+    config = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES]
+    return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(WORKER), *config,
+            f"train.save_dir={save_dir}", "--resume"]  # fmt: skip
+
+
+def rank_pids(save_dir: Path) -> dict[int, int]:
+    """Global rank -> pid of this run's training processes."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        text = [a.decode(errors="replace") for a in args]
+        if str(WORKER) in text and f"train.save_dir={save_dir}" in text:
+            local = [a for a in text if a.startswith("--local_rank=")]
+            if local:
+                found[int(local[0].split("=")[1])] = int(proc.name)
+    return found
+
+
+def steps_done(save_dir: Path) -> int:
+    path = save_dir / "metrics.jsonl"
+    return len(re.findall(r'"loss"', path.read_text())) if path.exists() else 0
+
+
+def assert_latest_whole(save_dir: Path) -> None:
+    """What a resume would load: complete, every file at its saved size and checksum."""
+    committed = commit.committed_files(save_dir)
+    if committed is None:
+        assert commit.latest_tag(save_dir) is None
+        return
+    checkpoint, manifest = committed
+    assert manifest["step"] == int(checkpoint.name.removeprefix("global_step"))
+    for name, entry in manifest["files"].items():
+        assert commit.damage(checkpoint / name, entry, read=True) is None
+
+
+def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
+    """One launch of the run that dies: by an injected crash (FATHOM_CRASH) or a SIGKILL from here.
+    Returns what happened, for the failure message."""
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if kill.startswith("inject "):
+        env["FATHOM_CRASH"] = kill.removeprefix("inject ")
+    proc = subprocess.Popen(command(save_dir, port), cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        if not kill.startswith("inject "):
+            # A random moment 1-3 steps into this launch: mid-step, mid-save or mid-validation.
+            target = steps_done(save_dir) + rng.randint(1, 3)
+            deadline = time.monotonic() + 120
+            while steps_done(save_dir) < target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.3))
+            if kill == "job":
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                os.kill(rank_pids(save_dir)[int(kill.removeprefix("rank "))], signal.SIGKILL)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in rank_pids(save_dir).values():  # the launcher must not leave a rank behind
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"{kill}: rank process {pid} outlived its launcher")
+        for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            segment.unlink()  # a rank killed before it released its shm segment
+    assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
+    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {commit.latest_tag(save_dir)}"
+
+
+def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
+    reference = tmp_path / "uninterrupted"
+    result = launch(WORKER, "--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES,
+                    f"train.save_dir={reference}")  # fmt: skip
+    assert result.returncode == 0
+
+    rng = random.Random(20261122)
+    kills = [
+        "inject 1:file:1",  # the launch's first save: half of rank 1's first file
+        "rank 1",
+        "inject 0:file:4",  # rank 0, a few files in
+        "job",
+        "inject 0:commit",  # everything written and the manifest too, `latest` not yet moved
+        "rank 0",
+        "inject 1:file:2",
+        "job",
+        "rank 1",
+        "job",
+    ]
+    run = tmp_path / "killed"
+    history = []
+    for kill in kills:
+        history.append(killed_launch(run, kill, rng))
+        assert_latest_whole(run)
+    final = subprocess.run(command(run, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stdout[-4000:] + final.stderr[-4000:]
+    print("\n".join(history))
+
+    assert_same_training(reference, run)
+    assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and commit.read_manifest(p) is None]

@@ -1,0 +1,57 @@
+"""scripts/train.py with a crash injected at an exact point of a checkpoint save, for
+tests/test_crash.py. FATHOM_CRASH says where, for one global rank:
+
+    RANK:file:K    in this launch's first save, after K-1 whole files: half of file K, then SIGKILL
+    RANK:commit    in this launch's first commit, after the files and the manifest, before `latest` moves
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from pipeline import commit
+from pipeline.train import main
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_mid_file(count: int) -> None:
+    original = commit.CommittingCheckpointEngine.save
+
+    def save(self, state_dict, path):
+        if len(self.written) == count - 1:
+            tmp = Path(path).with_suffix(".whole")
+            torch.save(state_dict, tmp)
+            data = tmp.read_bytes()
+            tmp.unlink()
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            die()
+        original(self, state_dict, path)
+
+    commit.CommittingCheckpointEngine.save = save
+
+
+def crash_before_latest() -> None:
+    original = commit.write_atomic
+
+    def write_atomic(path, text):
+        if path.name == commit.LATEST:
+            die()
+        original(path, text)
+
+    commit.write_atomic = write_atomic
+
+
+if "FATHOM_CRASH" in os.environ:
+    rank, point, *count = os.environ["FATHOM_CRASH"].split(":")
+    if int(os.environ["RANK"]) == int(rank):
+        if point == "file":
+            crash_mid_file(int(count[0]))
+        else:
+            crash_before_latest()
+main()

@@ -5,16 +5,26 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 GPUS ?= 2
 CONFIG ?= ds_configs/default.json
+# pip extras of fathom; `make test` adds mpi (mpi4py, for the mpirun tests)
+EXTRAS = dev
+# Open MPI comes from the system's packages; apt-get needs root
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 M30K ?= ../shared/data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 
-.PHONY: install peers demo test lint format multi30k
+.PHONY: install mpi peers demo test lint format multi30k
 
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
-	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[dev]'
+	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[$(EXTRAS)]'
+
+# mpirun for `mpirun -np N` and `deepspeed --launcher openmpi` (Debian/Ubuntu packages), installed only when
+# missing; libopenmpi-dev lets pip build mpi4py where it has no wheel.
+mpi:
+	command -v mpirun >/dev/null || ($(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev)
 
 # torchscale, the reference the tests compare DeepNorm and Sub-LN with (and scripts/bench.py times). Without
 # its dependencies: its pinned timm would pull torchvision and a CUDA torch, for a drop_path we stand in for
@@ -33,7 +43,8 @@ format:
 	ruff format .
 	ruff check --fix .
 
-test: install peers lint
+test: EXTRAS = dev,mpi
+test: mpi install peers lint
 	$(PYTHON) -m pytest
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set, score, plot.

@@ -18,13 +18,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str | Path, *args: str, processes: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks."""
+def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:
+    """The real `deepspeed` launcher running a script with `processes` CPU ranks."""
     launcher = shutil.which("deepspeed")
     assert launcher, "the deepspeed launcher is not on PATH"
-    cmd = [launcher, "--num_gpus", str(processes), "--master_port", str(free_port()), str(script), *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return [launcher, "--num_gpus", str(processes), "--master_port", str(free_port()), str(script), *args]
+
+
+def launch_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def launch(script: str | Path, *args: str, processes: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks."""
+    cmd = launcher_command(script, *args, processes=processes)
+    result = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
     return result
@@ -62,3 +70,32 @@ def multi30k_slice(tmp_path_factory) -> Path:
         + ["--vocab-size", "400", "--out", str(out)]
     )
     return out
+
+
+def logged_steps(save_dir: Path) -> list[dict]:
+    """Every value metrics.jsonl logged, step by step, but the timing."""
+    import json
+
+    lines = (save_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+
+
+def final_layers(save_dir: Path) -> dict[str, dict]:
+    """The layer files of the latest checkpoint, by file name."""
+    from pipeline.checkpoint import load_file
+
+    tag = save_dir / (save_dir / "latest").read_text().strip()
+    return {path.name: load_file(path) for path in sorted(tag.glob("layer_*-model_states.pt"))}
+
+
+def assert_same_training(expected: Path, actual: Path) -> None:
+    """The same losses (and grad norms, lr, alpha, validation) at every step, and bit-identical final weights."""
+    import torch
+
+    assert logged_steps(actual) == logged_steps(expected)
+    want, got = final_layers(expected), final_layers(actual)
+    assert want and got.keys() == want.keys()
+    for name, tensors in want.items():
+        assert got[name].keys() == tensors.keys(), name
+        for key, tensor in tensors.items():
+            assert torch.equal(got[name][key], tensor), f"{name} {key}"

@@ -1,0 +1,78 @@
+"""Rank, world size and processes per machine, as the launcher that started this process states them.
+
+The training script needs them before the process group exists (the config check, which rank reports
+errors, how many CPU threads each rank takes), when only the launcher's environment knows them, and
+each launcher names them differently. Each tuple is searched in order; the first variable set wins.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from model.config import ConfigError
+
+# deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
+# then Open MPI's mpirun, MPICH and Intel MPI (Hydra), MVAPICH2.
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+SIZE_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+LOCAL_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+)
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_size: int  # processes of this job on this machine
+
+
+def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if name in environ:
+            return int(environ[name])
+    return None
+
+
+def launched_world(environ: Mapping[str, str] = os.environ) -> World:
+    """Not launched: one process. A launcher that does not say how many of its processes share this
+    machine is taken to have put them all here, which at worst leaves CPU cores idle."""
+    size = _first(environ, SIZE_VARIABLES) or 1
+    return World(
+        rank=_first(environ, RANK_VARIABLES) or 0,
+        size=size,
+        local_size=_first(environ, LOCAL_SIZE_VARIABLES) or size,
+    )
+
+
+def cpu_threads(environ: Mapping[str, str] = os.environ) -> int:
+    """OMP_NUM_THREADS when set (by the user, or by deepspeed --bind_cores_to_rank), else this machine's
+    cores split among the job's processes on it, so CPU ranks do not oversubscribe it."""
+    if "OMP_NUM_THREADS" in environ:
+        return int(environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // launched_world(environ).local_size)
+
+
+def master_port(environ: Mapping[str, str] = os.environ) -> int:
+    """The rendezvous port. DeepSpeed's MPI discovery overwrites MASTER_PORT with the port it is given,
+    so a port exported to an mpirun job (-x MASTER_PORT=P) must be handed to it explicitly."""
+    return int(environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+
+
+def check_mpi_discovery(environ: Mapping[str, str] = os.environ) -> None:
+    """Started by an MPI launcher (no RANK yet), DeepSpeed discovers the world through mpi4py; without
+    it every rank would die on an ImportError traceback."""
+    if "RANK" in environ or not any(name in environ for name in RANK_VARIABLES[1:]):
+        return
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise ConfigError("started by mpirun, but mpi4py is not installed; pip install -e '.[mpi]'") from None

@@ -1,0 +1,181 @@
+"""scripts/launch.py's checks before launching, and the world each launcher's environment describes."""
+
+import json
+import os
+import sys
+
+import pytest
+from deepspeed.launcher import runner
+
+from model.config import ConfigError
+from pipeline import launch
+from pipeline.train import main as train_main
+from pipeline.world import World, check_mpi_discovery, cpu_threads, launched_world
+from tests.conftest import ROOT
+
+DEFAULT = ROOT / "ds_configs" / "default.json"
+
+
+@pytest.fixture
+def config(tmp_path):
+    raw = json.loads(DEFAULT.read_text())
+    raw["train"]["save_dir"] = str(tmp_path / "ckpt")
+    path = tmp_path / "exp.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+@pytest.fixture
+def execs(monkeypatch):
+    """Records what would be exec'd instead of replacing the test process."""
+    calls = []
+    monkeypatch.setattr(os, "execvp", lambda file, args: calls.append((file, args)))
+    return calls
+
+
+def hostfile(tmp_path, text):
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def fail(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        launch.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fathom: error: ")
+    return err
+
+
+TWO_HOSTS = "worker-0 slots=1\nworker-1 slots=1\n"
+BAD_HOSTFILES = [
+    ("worker-0 slots=1\nworker-1 slot=1\n", [], "line 2: 'worker-1 slot=1' is not 'HOST slots=N'"),
+    ("worker-0 slots=1\n# spare\nworker-0 slots=1\n", [], "line 3: host worker-0 is already on line 1"),
+    ("worker-0 slots=2\nworker-1 slots=0\n", [], "line 2: worker-1 has slots=0; give it at least 1 slot"),
+    ("worker-0 slots=-1\n", [], "line 1: 'worker-0 slots=-1' is not 'HOST slots=N'"),
+    ("# nothing yet\n\n", [], "no hosts; add one line 'HOST slots=N' per machine"),
+    (TWO_HOSTS, ["--include", "worker-0@worker-2"], "host 'worker-2' is not in the hostfile"),
+    (TWO_HOSTS, ["--exclude", "worker-9"], "host 'worker-9' is not in the hostfile"),
+    (TWO_HOSTS, ["--include", "worker-0:1"], "worker-0 has slots 0-0, not '1'"),
+    (TWO_HOSTS, ["--include", "worker-0", "--exclude", "worker-1"], "--include and --exclude: use one of them"),
+    (TWO_HOSTS, ["--no_ssh", "--node_rank", "2"], "--node_rank 2: with --no_ssh give each launcher its node's index"),
+    (TWO_HOSTS, ["--launcher", "openmpi", "--include", "worker-0@worker-1"], "--launcher openmpi: starts every slot"),
+    (TWO_HOSTS, ["--launcher", "pbs"], "--launcher pbs: unknown; use one of pdsh, openmpi"),
+    ("worker-0 slots=2\nworker-1 slots=1\n", [], "pipeline.stages: 3 processes cannot be split into 2 stages"),
+]
+
+
+@pytest.mark.parametrize("text, flags, message", BAD_HOSTFILES, ids=[case[2][:40] for case in BAD_HOSTFILES])
+def test_bad_launch_is_one_line_and_starts_nothing(tmp_path, capsys, config, execs, text, flags, message):
+    argv = ["--hostfile", hostfile(tmp_path, text), *flags, "scripts/train.py", "--config", str(config)]
+    assert message in fail(capsys, argv)
+    assert execs == [] and not (tmp_path / "ckpt").exists()
+
+
+def test_missing_hostfile_is_an_error_not_a_local_run(tmp_path, capsys, config, execs):
+    err = fail(capsys, ["--hostfile", str(tmp_path / "nodes"), "scripts/train.py", "--config", str(config)])
+    assert "no such file; fix the path (deepspeed would silently run on this machine only)" in err
+    assert execs == []
+
+
+def test_a_deepspeed_env_line_without_a_value_is_one_line(tmp_path, capsys, monkeypatch, config, execs):
+    monkeypatch.chdir(tmp_path)  # the runner reads ./.deepspeed_env from the launch directory
+    (tmp_path / ".deepspeed_env").write_text("GLOO_SOCKET_IFNAME=eth0\n\nNCCL_DEBUG=INFO\n")
+    err = fail(capsys, ["--hostfile", hostfile(tmp_path, TWO_HOSTS), "scripts/train.py", "--config", str(config)])
+    assert ".deepspeed_env line 2: '' is not KEY=VALUE" in err
+    assert execs == []
+
+
+def test_config_errors_come_before_the_launch(tmp_path, capsys, config, execs):
+    argv = ["--hostfile", hostfile(tmp_path, TWO_HOSTS), "scripts/train.py", "--config", str(config)]
+    err = fail(capsys, [*argv, "--override", "model.encoder_layer=3"])
+    assert "model.encoder_layer: unknown key; did you mean 'encoder_layers'?" in err
+    assert execs == []
+
+
+def test_a_good_hostfile_execs_deepspeed_with_the_same_arguments(tmp_path, capsys, config, execs):
+    path = hostfile(tmp_path, "# two nodes\nworker-0 slots=1 max_slots=4\n\nworker-1 slots=1\n")
+    argv = ["--hostfile", path, "--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", "29555"]
+    argv += ["scripts/train.py", "--config", str(config), "--override", "train.max_steps=4"]
+    launch.main(argv)
+    assert execs == [("deepspeed", ["deepspeed", *argv])]
+    assert "launching 2 processes" in capsys.readouterr().out
+
+
+def processes(tmp_path, *flags, text="worker-0 slots=4\nworker-1 slots=2\n"):
+    args = runner.parse_args(["--hostfile", hostfile(tmp_path, text), *flags, "scripts/train.py"])
+    return launch.launched_processes(args)
+
+
+def test_world_size_follows_the_runners_resource_rules(tmp_path):
+    assert processes(tmp_path) == 6
+    assert processes(tmp_path, "--include", "worker-0:0,1@worker-1") == 4
+    assert processes(tmp_path, "--exclude", "worker-0:3") == 5
+    assert processes(tmp_path, "--exclude", "worker-1") == 4
+    assert processes(tmp_path, "--num_nodes", "1") == 4
+    assert processes(tmp_path, "--num_gpus", "1") == 2
+    no_hostfile = runner.parse_args(["--num_gpus", "3", "scripts/train.py"])
+    assert launch.launched_processes(no_hostfile) == 3
+
+
+ENVIRONMENTS = {
+    "not launched": ({}, World(rank=0, size=1, local_size=1)),
+    "deepspeed, node 1 of 2": ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "1"}, World(1, 2, 1)),
+    "torchrun": ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, World(3, 8, 4)),
+    "open mpi": (
+        {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+        World(5, 8, 4),
+    ),
+    "mpich": ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, World(2, 4, 2)),
+    "deepspeed --launcher mpich": ({"PMI_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, World(1, 4, 2)),
+    "launcher without local size": ({"RANK": "0", "WORLD_SIZE": "2"}, World(0, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("environ, world", ENVIRONMENTS.values(), ids=ENVIRONMENTS.keys())
+def test_world_from_each_launchers_environment(environ, world):
+    assert launched_world(environ) == world
+
+
+def test_cpu_threads_split_the_machine_unless_omp_num_threads_says(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert cpu_threads({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_SIZE": "4"}) == 4
+    assert cpu_threads({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "1"}) == 16  # one rank per node
+    assert cpu_threads({"RANK": "0", "WORLD_SIZE": "64", "LOCAL_SIZE": "32"}) == 1
+    assert cpu_threads({"LOCAL_SIZE": "1", "OMP_NUM_THREADS": "3"}) == 3
+
+
+@pytest.fixture
+def under_mpirun(monkeypatch):
+    """This process as rank R of an Open MPI job of 3 processes, before DeepSpeed's discovery."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+    def rank(r):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(r))
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3")
+
+    return rank
+
+
+def test_train_checks_the_mpi_world_before_starting(capsys, config, under_mpirun):
+    for rank, reports in ((0, True), (1, False)):
+        under_mpirun(rank)
+        with pytest.raises(SystemExit) as exc:
+            train_main(["--config", str(config)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        expected = "fathom: error: pipeline.stages: 3 processes cannot be split into 2 stages"
+        assert err.startswith(expected) if reports else err == ""
+
+
+def test_mpirun_without_mpi4py_is_one_line(monkeypatch, under_mpirun):
+    under_mpirun(0)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # what `import mpi4py` sees when absent
+    with pytest.raises(ConfigError, match=r"mpi4py is not installed; pip install -e '\.\[mpi\]'"):
+        check_mpi_discovery()
+    monkeypatch.setenv("RANK", "0")  # a deepspeed or torchrun launch needs no MPI discovery
+    check_mpi_discovery()

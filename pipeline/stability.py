@@ -1,0 +1,246 @@
+"""Divergence handling: a non-finite loss or gradient caught on the step it happens, on every stage.
+
+DeepSpeed 0.19.8 already skips an update whose gradients are non-finite when its own optimizer wrapper
+sits in front: ZeRO-1 (its global gradient norm, or its fp16/bf16 overflow check) and the BF16 and FP16
+optimizers. Their verdict is agreed over the pipeline's stages, and the engine then counts the step in
+`skipped_steps` and holds the LR schedule. Two holes remain, which StabilityGuard
+closes: plain fp32 without ZeRO hands the gradients straight to the torch optimizer (with
+gradient_clipping, NaNs go into every weight), and a non-finite loss can come with finite gradients
+(a logit overflowing to -inf). So before every optimizer step all ranks all-reduce one small vector:
+the loss's finiteness, the per-layer output flags the forward pass left (StabilityGuard's hooks) and
+per-layer sums of squared gradients. They then agree on the verdict, name the first layer whose output
+went non-finite, and log per-layer gradient norms every `train.grad_norm_interval` steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.transformer import module_names
+from pipeline.layers import layer_specs
+
+GRAD_NORMS_FILE = "grad_norms.jsonl"
+NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
+
+
+class NonFiniteError(RuntimeError):
+    """A step went non-finite with train.on_nonfinite = "stop"; the message is one line."""
+
+
+@contextmanager
+def exit_on_nonfinite(report: bool = True) -> Iterator[None]:
+    """For scripts/train.py: a NonFiniteError ends the run with its one line on stderr (printed by
+    `report` ranks) and exit status 3. Every rank raises it on the same step, so all can still meet to
+    tear the process group down."""
+    try:
+        yield
+    except NonFiniteError as err:
+        if report:
+            print(f"fathom: error: {err}", file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(NONFINITE_EXIT)
+
+
+def describe(
+    loss_nonfinite: bool, outputs_nonfinite: list[bool], grads_nonfinite: list[bool], names: list[str], parts: list[int]
+) -> str | None:
+    """What went non-finite in a step, one line; None if the loss and every gradient are finite.
+
+    outputs_/grads_nonfinite are per pipeline layer; parts are the stage bounds (PipelineModule.parts).
+    """
+    if not loss_nonfinite and not any(grads_nonfinite):
+        return None
+
+    def where(layer: int) -> str:
+        return f"stage {bisect.bisect_right(parts, layer) - 1}, layer {layer} ({names[layer]})"
+
+    found = "non-finite loss" if loss_nonfinite else "non-finite gradient"
+    if any(outputs_nonfinite):
+        return f"{found}; first non-finite output: {where(outputs_nonfinite.index(True))}"
+    bad = [layer for layer, nonfinite in enumerate(grads_nonfinite) if nonfinite]
+    if not bad:  # e.g. the loss overflowing on finite logits
+        return f"{found}; every layer's output and gradient finite"
+    # Backward runs from the last layer down, so the highest one is where the gradient first broke.
+    return (
+        f"{found}; outputs finite; non-finite parameter gradients in {len(bad)} layer(s), "
+        f"the first in backward order: {where(bad[-1])}"
+    )
+
+
+def local_gradient(param: nn.Parameter) -> Tensor | None:
+    """The gradient the optimizer will apply to `param` (after data-parallel averaging), as this rank
+    holds it: deepspeed.utils.safe_get_full_grad without its per-parameter all-reduce. BF16_Optimizer
+    keeps the whole gradient in `_hp_grad`; ZeRO-1 only its slice in this rank's partition."""
+    hp_grad = getattr(param, "_hp_grad", None)
+    if hp_grad is not None:
+        return hp_grad
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is not None:
+        return mapping.get_lp_grad_fragment(param._index_in_param_group)
+    return param.grad
+
+
+def owned_share(param: nn.Parameter, grad: Tensor, data_parallel_rank: int) -> Tensor | None:
+    """The part of `grad` (local_gradient) no other data-parallel rank counts, so squares summed over
+    all ranks give the norm once (the shares DeepSpeed's get_full_hp_grad sums)."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if getattr(param, "_hp_grad", None) is not None:
+        if mapping is None:
+            return None
+        address = mapping.lp_fragment_address
+        return grad.flatten().narrow(0, address.start, address.numel)
+    if mapping is not None:
+        return grad
+    return grad if data_parallel_rank == 0 else None
+
+
+class StabilityGuard:
+    """Watches one pipeline engine's steps; after each one, `found` says what went non-finite (None:
+    nothing) and `skipped` whether the update was left out. The bad update is always left out, so under
+    train.on_nonfinite = "skip" training goes on from unchanged weights and optimizer state."""
+
+    def __init__(
+        self,
+        engine: deepspeed.PipelineEngine,
+        cfg: ModelConfig,
+        grad_norm_interval: int = 0,
+        write_norms: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.engine, self.pipe = engine, engine.module
+        self.grad_norm_interval, self.write_norms = grad_norm_interval, write_norms
+        self.names = module_names(cfg)
+        # Layers named in checkpoints: each holds its own parameters (a tied table: its first use).
+        self.saved = [name for name, _ in layer_specs(cfg)]
+        self.found: str | None = None
+        self.skipped = False
+        # (layer, min and max of its output) for every forward of this step
+        self.extremes: list[tuple[int, tuple[Tensor, Tensor]]] = []
+        self.params: list[nn.Parameter] = []
+        self.owners: list[int] = []
+        for offset, func in enumerate(self.pipe.forward_funcs):
+            layer = self.pipe._local_start + offset
+            if isinstance(func, nn.Module):
+                func.register_forward_hook(partial(self._output_hook, layer))
+                if self.saved[layer] is not None:
+                    trainable = [p for p in func.parameters() if p.requires_grad]
+                    self.params += trainable
+                    self.owners += [layer] * len(trainable)
+            else:  # a tied table's later use: DeepSpeed calls its forward_fn, which module hooks never see
+                self.pipe.forward_funcs[offset] = partial(self._call_and_check, layer, func)
+
+        optimizer = engine.optimizer
+        # The engine skips a step only for optimizers that report `overflow`: DeepSpeed's own wrappers.
+        self.optimizer_checks = hasattr(optimizer, "overflow")
+        if not self.optimizer_checks:  # a plain torch optimizer
+            self._guard_plain_optimizer(optimizer)
+        elif getattr(optimizer, "compute_grad_norm", True) is False:
+            # fp32 ZeRO without its gradient norm would check nothing: use its fp16 overflow check.
+            optimizer.check_grad_overflow = True
+        self._take_model_step = engine._take_model_step
+        engine._take_model_step = self._checked_model_step
+
+    def _output_hook(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
+        self._check_output(layer, output)
+
+    def _call_and_check(self, layer: int, func: Callable[[Any], Any], inputs: Any) -> Any:
+        output = func(inputs)
+        self._check_output(layer, output)
+        return output
+
+    def _check_output(self, layer: int, output: Tensor | tuple[Tensor, ...]) -> None:
+        if not self.pipe.training:  # validation and Admin's profiling pass are not steps
+            return
+        x = output[0] if isinstance(output, tuple) else output  # the layer's own output leads the tuple
+        # min and max are non-finite exactly when an element is (they propagate NaN): one reduction per
+        # layer, kept on the device and read once per step, so no host sync per layer.
+        self.extremes.append((layer, torch.aminmax(x.detach())))
+
+    def _guard_plain_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        step = optimizer.step
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            # The engine reads `overflow` after step(): it then counts the step skipped and holds the LR.
+            optimizer.overflow = self.found is not None
+            return None if optimizer.overflow else step(*args, **kwargs)
+
+        optimizer.step = guarded_step
+
+    def _local_summary(self, grads: list[tuple[int, Tensor]]) -> Tensor:
+        """[loss non-finite, per-layer output non-finite..., per-layer squared gradient norm...] of this
+        rank's share, for summing over all ranks."""
+        engine, layers = self.engine, len(self.names)
+        summary = torch.zeros(1 + 2 * layers, dtype=torch.float64, device=engine.device)
+        if engine.is_last_stage():
+            summary[0] = ~torch.isfinite(engine.total_loss).all()
+        if self.extremes:
+            extremes = torch.stack([v for _, pair in self.extremes for v in pair]).view(-1, 2)
+            where = torch.tensor([1 + layer for layer, _ in self.extremes], device=engine.device)
+            summary.index_add_(0, where, (~torch.isfinite(extremes)).any(dim=1).double())
+            self.extremes.clear()
+        dp_rank = engine.grid.get_data_parallel_rank()
+        shares = [(i, owned_share(self.params[i], grad, dp_rank)) for i, grad in grads]
+        shares = [(i, share) for i, share in shares if share is not None]
+        if shares:
+            norms = torch.stack(torch._foreach_norm([share for _, share in shares], 2, dtype=torch.float32))
+            where = torch.tensor([1 + layers + self.owners[i] for i, _ in shares], device=engine.device)
+            summary.index_add_(0, where, norms.double() ** 2)
+        return summary
+
+    def _checked_model_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        engine, layers = self.engine, len(self.names)
+        step = engine.global_steps + 1
+        grads = [(i, local_gradient(p)) for i, p in enumerate(self.params)]
+        grads = [(i, grad) for i, grad in grads if grad is not None]
+        summary = self._local_summary(grads)
+        dist.all_reduce(summary)
+        summary = summary.tolist()
+        outputs_nonfinite = [v > 0 for v in summary[1 : 1 + layers]]
+        squares = summary[1 + layers :]
+        grads_nonfinite = [not math.isfinite(v) for v in squares]
+        fp16 = engine.fp16_enabled()
+        # fp16 gradients are loss-scaled: their overflow is routine, and DeepSpeed's loss scaler skips the
+        # step and lowers the scale; only a non-finite loss is divergence there.
+        self.found = describe(
+            summary[0] > 0, outputs_nonfinite, [g and not fp16 for g in grads_nonfinite], self.names, self.pipe.parts
+        )
+        if self.grad_norm_interval and step % self.grad_norm_interval == 0 and self.write_norms is not None:
+            scale = engine._get_optimizer_loss_scale() if fp16 else 1.0  # the engine's own accessor
+            norms = {name: math.sqrt(squares[i]) / scale for i, name in enumerate(self.saved) if name is not None}
+            self.write_norms({"step": step, "norms": norms})
+        if self.found is not None and not any(grads_nonfinite) and self.optimizer_checks:
+            # Finite gradients with a non-finite loss: DeepSpeed's optimizers skip only on non-finite
+            # gradients, and then clean up their own buffers, so make this step's gradients non-finite.
+            for _, grad in grads:
+                grad.fill_(math.nan)
+        skipped_before = engine.skipped_steps
+        self._take_model_step(lr_kwargs)
+        self.skipped = engine.skipped_steps > skipped_before
+        if self.found is not None and not self.skipped:
+            raise RuntimeError(f"step {step}: DeepSpeed applied an update despite a {self.found}")
+
+    def step_record(self) -> dict[str, Any]:
+        """metrics.jsonl fields of the last step: none for a healthy one."""
+        if not self.skipped:
+            return {}
+        return {"skipped": True, "nonfinite": self.found or "fp16 gradient overflow (DeepSpeed's loss scaler)"}
+
+    def enforce(self, policy: str, step: int, last_checkpoint: str | None) -> None:
+        """Acts on a step that went non-finite (`found`): raises NonFiniteError ("stop") or reports the skip."""
+        if policy == "stop":
+            saved = f"the last checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved"
+            raise NonFiniteError(f"step {step}: {self.found}; {saved}")
+        if dist.get_rank() == 0:
+            print(f"step {step}: skipped: {self.found}", flush=True)

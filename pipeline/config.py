@@ -6,6 +6,7 @@ keys, so a typo in one of our sections would otherwise silently train the wrong 
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,11 +14,31 @@ from typing import Any
 
 import torch
 
-from model.config import ConfigError, ModelConfig, parse_section
+from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
 from pipeline.data import BatchSize, SyntheticConfig
 
 OUR_SECTIONS = ("model", "data", "train")
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py
+# DeepSpeed's documented top-level keys (0.19). DeepSpeed ignores a key it does not know, so a typo such
+# as "gradient_clip" would silently train without clipping; one close to a key here is refused. Keys far
+# from all of them pass through: a newer DeepSpeed may know them.
+DEEPSPEED_KEYS = frozenset(
+    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
+    communication_data_type seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor
+    sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping zero_optimization zero_allow_untested_optimizer
+    zero_force_ds_cpu_optimizer steps_per_print wall_clock_breakdown dump_state memory_breakdown flops_profiler
+    activation_checkpointing sparse_attention data_efficiency curriculum_learning tensorboard wandb csv_monitor
+    comet comms_logger elasticity autotuning compression_training checkpoint data_types aio nebula pipeline
+    hybrid_engine weight_quantization compile eigenvalue progressive_layer_drop quantize_training timers
+    graph_harvesting dataloader_drop_last disable_allgather load_universal_checkpoint use_node_local_storage
+    gradient_allreduce_op expert_parallel vocabulary_size seed""".split()
+)
+# DeepSpeed's pipeline keys, plus fathom's `partition`; every one is known, so any other is a mistake.
+PIPELINE_KEYS = frozenset(
+    """stages partition seed_layers activation_checkpoint_interval pipe_partitioned grad_partitioned
+    use_reentrant""".split()
+)
+ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
 @dataclass
@@ -48,14 +69,30 @@ class TrainConfig:
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
     init_from: str | None = None
+    # Seconds a rank may go without progress (a step, a validation pass, a checkpoint save or load)
+    # before the job ends naming the rank to blame (pipeline/watchdog.py). Half an hour, torch's default
+    # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on
+    # a shared filesystem, and all a hung job then wastes. The backend waits 30 s longer.
+    hang_timeout: float = 1800.0
+    # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
+    # status 3; the last checkpoint stays the latest), "skip" goes on with the next step (pipeline/stability.py).
+    on_nonfinite: str = "stop"
+    # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
+    grad_norm_interval: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "save_interval", "log_interval", "valid_interval"):
+        for key in ("max_steps", "save_interval", "log_interval", "valid_interval", "grad_norm_interval"):
             least = 1 if key in ("save_interval", "log_interval") else 0
             if getattr(self, key) < least:
                 raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
+        # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
+        # scheduling delays or filesystem lag for a stopped rank.
+        if not self.hang_timeout >= 10:  # also refuses NaN
+            raise ConfigError(f"train.hang_timeout: must be at least 10 seconds, got {self.hang_timeout:g}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"train.on_nonfinite: {self.on_nonfinite!r}; use one of {', '.join(ON_NONFINITE)}")
 
 
 @dataclass
@@ -133,9 +170,16 @@ def _require_int(ds: dict[str, Any], key: str, minimum: int = 1) -> int | None:
 def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
     """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
     world_size None: not launched (e.g. planning); assume one pipeline replica."""
+    for key in ds:
+        close = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.8)
+        if key not in DEEPSPEED_KEYS and close:
+            raise ConfigError(f"{key}: not a DeepSpeed key (DeepSpeed would ignore it); did you mean '{close[0]}'?")
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
+    for key in pipeline:
+        if key not in PIPELINE_KEYS:
+            raise unknown_key_error(f"pipeline.{key}", PIPELINE_KEYS)
     stages = _require_int(pipeline, "stages")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:

@@ -24,15 +24,18 @@ from deepspeed.pipe import PipelineModule
 from model.config import ConfigError, ModelConfig, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
-from pipeline import admin
-from pipeline.checkpoint import CONFIG_FILE, check_init_from, checkpoint_dir
-from pipeline.config import RunConfig, load_config
+from pipeline import admin, commit
+from pipeline.checkpoint import CONFIG_FILE, check_init_from, checkpoint_dir, write_atomic, write_dictionaries
+from pipeline.config import RunConfig, TrainConfig, load_config
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
+from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
+from pipeline.watchdog import Watchdog, backend_timeout
+from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
 METRICS_FILE = "metrics.jsonl"
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -96,6 +99,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
+    commit.install(engine)
     return engine
 
 
@@ -125,7 +129,7 @@ class MetricsLog:
         if enabled and path.exists():
             # Steps after the checkpoint we resume from will be trained again: drop their old lines.
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            write_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -137,12 +141,15 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def init_distributed() -> None:
+def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
     """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing."""
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+        distributed_port=master_port(),
+        timeout=backend_timeout(hang_timeout),
+    )
     if not torch.cuda.is_available():
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads())
         release_shm_buffer()
         return_freed_tensors()
 
@@ -213,35 +220,54 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
     )
 
 
+def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> float:
+    """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
+    Admin's profiled omegas, and writes the run's records. Returns the best validation loss so far."""
+    rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
+    best = float("inf")
+    if resume and commit.latest_tag(save_dir) is not None:
+        best = commit.load(engine, save_dir).get("best_valid_loss", best)
+    elif resume and rank == 0:
+        print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
+    if rank == 0:  # only now: a checkpoint that failed to load leaves the run's records as they were
+        write_atomic(save_dir / CONFIG_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if isinstance(corpus, BinarizedCorpus):
+            write_dictionaries(save_dir, corpus, cfg.data.path)
+    if cfg.train.init_from and engine.global_steps == 0:
+        load_weights(engine, checkpoint_dir(cfg.train.init_from))
+        if rank == 0:
+            print(f"fathom: initialized from {cfg.train.init_from}", flush=True)
+    # A resumed or initialized run has its omegas in the checkpoint.
+    if build_scheme(cfg.model).profiled and engine.global_steps == 0 and not cfg.train.init_from:
+        message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
+        if rank == 0:
+            print(f"fathom: {message}", flush=True)
+    return best
+
+
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
-    init_distributed()
+    init_distributed(cfg.train.hang_timeout)
     baseline_memory = current_bytes()
     rank = dist.get_rank()
     save_dir = Path(cfg.train.save_dir)
     if rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
-        (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     engine = build_engine(cfg)
-    best = float("inf")
-    if resume and (save_dir / "latest").exists():
-        _, client_state = engine.load_checkpoint(str(save_dir))
-        best = client_state.get("best_valid_loss", best)
-        if rank == 0:
-            print(f"fathom: resumed from {save_dir} at step {engine.global_steps}", flush=True)
-    elif resume and rank == 0:
-        print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
+    watchdog = Watchdog(save_dir, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
+    try:
+        run(engine, cfg, corpus, start(engine, cfg, corpus, resume), watchdog)
+    finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
+        watchdog.stop()
+    report_peaks(baseline_memory, engine.stage_id, save_dir)
 
-    if cfg.train.init_from and engine.global_steps == 0:
-        load_weights(engine, checkpoint_dir(cfg.train.init_from))
-        if rank == 0:
-            print(f"fathom: initialized from {cfg.train.init_from}", flush=True)
+
+def run(
+    engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, best: float, watchdog: Watchdog
+) -> None:
+    """The training loop, from the engine's step to train.max_steps: steps, logs, validation, checkpoints."""
+    rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     scheme = build_scheme(cfg.model)
-    # A resumed or initialized run has its omegas in the checkpoint.
-    if scheme.profiled and engine.global_steps == 0 and not cfg.train.init_from:
-        message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
-        if rank == 0:
-            print(f"fathom: {message}", flush=True)
     hooks: list[StepHook] = [ScheduleHook(engine.module)]
     data = MicroBatches(
         corpus,
@@ -254,51 +280,70 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     )
     valid = eval_batches(build_corpus(cfg, "valid"), cfg.batch_size) if cfg.train.valid_interval else []
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
+    interval = cfg.train.grad_norm_interval
+    grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
+    guard = StabilityGuard(engine, cfg.model, interval, grad_norms.write)
     started, first_step = time.perf_counter(), engine.global_steps
     while engine.global_steps < cfg.train.max_steps:
         step = engine.global_steps
+        watchdog.progress(f"training step {step + 1}")
         for hook in hooks:
             hook(step)
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(step)}
+        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(step), **guard.step_record()}
         metrics.write(record)
         done = record["step"]
+        if guard.found is not None:
+            guard.enforce(cfg.train.on_nonfinite, done, commit.latest_tag(save_dir))
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
         if valid and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
+            watchdog.progress(f"validation after step {done}")
             for hook in hooks:  # the model after step s is evaluated (and exported) at step s
                 hook(done)
             valid_loss = validate(engine, valid)
             if valid_loss < best:
                 best = valid_loss
-                engine.save_checkpoint(
-                    str(save_dir), tag="best", client_state={"best_valid_loss": best}, save_latest=False
-                )
+                watchdog.progress(f"checkpoint save after step {done}")
+                commit.save(engine, save_dir, {"best_valid_loss": best}, best=True)
             metrics.write({"step": done, "valid_loss": valid_loss, "best_valid_loss": best})
             if rank == 0:
                 print(f"step {done} | valid loss {valid_loss:.4f} | best {best:.4f}", flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
-            engine.save_checkpoint(str(save_dir), client_state={"best_valid_loss": best})
-    report_peaks(baseline_memory, engine.stage_id, save_dir)
+            watchdog.progress(f"checkpoint save after step {done}")
+            commit.save(engine, save_dir, {"best_valid_loss": best}, best=False)
+
+
+def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
+    """Everything a run is checked for before any process group exists (scripts/launch.py runs it
+    before launching); raises ConfigError."""
+    cfg = load_config(args.config, args.override, world_size=world_size)
+    corpus = build_corpus(cfg)
+    cfg.model = with_vocab(cfg.model, corpus)
+    admin.check(cfg.model)
+    if cfg.train.init_from:
+        check_init_from(cfg.train.init_from, cfg.model)
+    save_dir = Path(cfg.train.save_dir)
+    if not args.resume and (save_dir / "latest").exists():
+        raise ConfigError(
+            f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
+            "or choose another save_dir"
+        )
+    if args.resume:
+        commit.check_resume(save_dir, cfg, corpus, world_size)
+    return cfg, corpus
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with exit_on_config_error(report=int(os.environ.get("RANK", 0)) == 0):
-        cfg = load_config(args.config, args.override, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-        corpus = build_corpus(cfg)
-        cfg.model = with_vocab(cfg.model, corpus)
-        admin.check(cfg.model)
-        if cfg.train.init_from:
-            check_init_from(cfg.train.init_from, cfg.model)
-        save_dir = Path(cfg.train.save_dir)
-        if not args.resume and (save_dir / "latest").exists():
-            raise ConfigError(
-                f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
-                "or choose another save_dir"
-            )
-    train(cfg, corpus, args.resume)
+    world = launched_world()
+    with exit_on_config_error(report=world.rank == 0):
+        check_mpi_discovery()
+        cfg, corpus = check_run(args, world.size)
+    # exit_on_config_error: a checkpoint file that fails to load, on whichever rank reads it
+    with exit_on_config_error(), exit_on_nonfinite(report=world.rank == 0):
+        train(cfg, corpus, args.resume)
     # Torn down here rather than at interpreter exit, where one CI run's process aborted after the run
     # had finished ("terminate called without an active exception", exit 250).
     dist.barrier()

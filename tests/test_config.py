@@ -56,6 +56,11 @@ CASES = [
     (set_key(["data", "synthetic", "word"], 5), "data.synthetic.word: unknown key; did you mean 'words'?"),
     (set_key(["pipeline", "stages"], 30), "pipeline.stages: 30 stages for 24 Transformer layers; use at most 24"),
     (set_key(["zero_optimization", "stage"], 2), "zero_optimization.stage: 2 is not supported"),
+    (set_key(["gradient_clip"], 1.0), "gradient_clip: not a DeepSpeed key (DeepSpeed would ignore it); did you mean"),
+    (
+        set_key(["pipeline", "activation_checkpointing_interval"], 1),
+        "pipeline.activation_checkpointing_interval: unknown key; did you mean 'activation_checkpoint_interval'?",
+    ),
     (set_key(["train_batch_size"], 30), "train_batch_size: 30 != train_micro_batch_size_per_gpu 8 x"),
     (set_key(["model", "embed_dim"], 66), "model.embed_dim: 66 is not divisible by model.attention_heads 4"),
     (lambda raw: raw.pop("train"), "train: missing section"),

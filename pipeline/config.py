@@ -230,6 +230,13 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
     if ds.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
         raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
+    # DeepSpeed 0.19.8 saves this mode's optimizer state (BF16_Optimizer, which still shards its fp32
+    # master weights over data-parallel ranks) from data-parallel rank 0 only, as one dict, then its own
+    # load_state_dict indexes it as a per-rank list: such a run trains but can never resume (KeyError 0).
+    if ds.get("bf16", {}).get("enabled") and zero_stage == 0:
+        raise ConfigError(
+            "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1"
+        )
 
 
 def load_config(path: str | Path, overrides: list[str] = (), world_size: int | None = 1) -> RunConfig:

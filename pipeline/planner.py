@@ -66,9 +66,7 @@ STATE_BYTES = {
     ("fp32", 1): StateBytes(4, 4, 0, 12, 4, 12),
     # ZeRO-1 with bf16 gradients: as fp32 (the flat gradient partition cast to fp32)
     ("bf16", 1): StateBytes(2, 2, 0, 12, 2, 12),
-    # No ZeRO: DeepSpeed's BF16_Optimizer, which accumulates gradients in a full fp32 buffer and
-    # still splits master weights and Adam state over the data-parallel ranks
-    ("bf16", 0): StateBytes(2, 2, 4, 12, 0, 8),
+    # (bf16 without ZeRO is refused by the config check: DeepSpeed cannot resume it)
 }
 
 

@@ -1,15 +1,16 @@
 """Divergence handling: a non-finite loss or gradient caught on the step it happens, on every stage.
 
 DeepSpeed 0.19.8 already skips an update whose gradients are non-finite when its own optimizer wrapper
-sits in front: ZeRO-1 (its global gradient norm, or its fp16/bf16 overflow check) and the BF16 and FP16
-optimizers. Their verdict is agreed over the pipeline's stages, and the engine then counts the step in
-`skipped_steps` and holds the LR schedule. Two holes remain, which StabilityGuard
-closes: plain fp32 without ZeRO hands the gradients straight to the torch optimizer (with
-gradient_clipping, NaNs go into every weight), and a non-finite loss can come with finite gradients
-(a logit overflowing to -inf). So before every optimizer step all ranks all-reduce one small vector:
-the loss's finiteness, the per-layer output flags the forward pass left (StabilityGuard's hooks) and
-per-layer sums of squared gradients. They then agree on the verdict, name the first layer whose output
-went non-finite, and log per-layer gradient norms every `train.grad_norm_interval` steps.
+sits in front: ZeRO-1 (its global gradient norm, or its fp16/bf16 overflow check) and the FP16 optimizer
+(bf16 without ZeRO, DeepSpeed's BF16 optimizer, is refused by the config check). Their verdict is agreed
+over the pipeline's stages, and the engine then counts the step in `skipped_steps` and holds the LR
+schedule. Two holes remain, which StabilityGuard closes: plain fp32 without ZeRO hands the gradients
+straight to the torch optimizer (with gradient_clipping, NaNs go into every weight), and a non-finite
+loss can come with finite gradients (a logit overflowing to -inf). So before every optimizer step all
+ranks all-reduce one small vector: the loss's finiteness, the per-layer output flags the forward pass
+left (StabilityGuard's hooks) and per-layer sums of squared gradients. They then agree on the verdict,
+name the first layer whose output went non-finite, and log per-layer gradient norms every
+`train.grad_norm_interval` steps.
 """
 
 from __future__ import annotations
@@ -82,11 +83,8 @@ def describe(
 
 def local_gradient(param: nn.Parameter) -> Tensor | None:
     """The gradient the optimizer will apply to `param` (after data-parallel averaging), as this rank
-    holds it: deepspeed.utils.safe_get_full_grad without its per-parameter all-reduce. BF16_Optimizer
-    keeps the whole gradient in `_hp_grad`; ZeRO-1 only its slice in this rank's partition."""
-    hp_grad = getattr(param, "_hp_grad", None)
-    if hp_grad is not None:
-        return hp_grad
+    holds it: deepspeed.utils.safe_get_full_grad without its per-parameter all-reduce. ZeRO-1 keeps
+    only the slice in this rank's partition; without ZeRO, param.grad is the whole (averaged) gradient."""
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is not None:
         return mapping.get_lp_grad_fragment(param._index_in_param_group)
@@ -95,14 +93,8 @@ def local_gradient(param: nn.Parameter) -> Tensor | None:
 
 def owned_share(param: nn.Parameter, grad: Tensor, data_parallel_rank: int) -> Tensor | None:
     """The part of `grad` (local_gradient) no other data-parallel rank counts, so squares summed over
-    all ranks give the norm once (the shares DeepSpeed's get_full_hp_grad sums)."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if getattr(param, "_hp_grad", None) is not None:
-        if mapping is None:
-            return None
-        address = mapping.lp_fragment_address
-        return grad.flatten().narrow(0, address.start, address.numel)
-    if mapping is not None:
+    all ranks give the norm once: ZeRO-1's slices are disjoint; a whole gradient counts on rank 0."""
+    if getattr(param, "_hp_mapping", None) is not None:
         return grad
     return grad if data_parallel_rank == 0 else None
 

@@ -56,6 +56,10 @@ CASES = [
     (set_key(["data", "synthetic", "word"], 5), "data.synthetic.word: unknown key; did you mean 'words'?"),
     (set_key(["pipeline", "stages"], 30), "pipeline.stages: 30 stages for 24 Transformer layers; use at most 24"),
     (set_key(["zero_optimization", "stage"], 2), "zero_optimization.stage: 2 is not supported"),
+    (
+        lambda raw: raw.update(bf16={"enabled": True}, zero_optimization={"stage": 0}),
+        "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1",
+    ),
     (set_key(["gradient_clip"], 1.0), "gradient_clip: not a DeepSpeed key (DeepSpeed would ignore it); did you mean"),
     (
         set_key(["pipeline", "activation_checkpointing_interval"], 1),

@@ -26,6 +26,7 @@ from pipeline.hooks import ScheduleHook
 from pipeline.layers import layer_specs
 
 CONFIG_FILE = "config.json"
+LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
 # The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
 DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
@@ -91,13 +92,18 @@ def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: BinarizedCorpus,
             )
 
 
+def latest_tag(save_dir: str | Path) -> str | None:
+    """The tag `latest` names: the newest complete checkpoint (pipeline/commit.py moves it)."""
+    path = Path(save_dir) / LATEST
+    return path.read_text().strip() if path.exists() else None
+
+
 def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
     save_dir = Path(save_dir)
     if tag is None:
-        latest = save_dir / "latest"
-        if not latest.exists():
-            raise ConfigError(f"{save_dir}: no 'latest' file; pass a tag (one of the global_step* folders)")
-        tag = latest.read_text().strip()
+        tag = latest_tag(save_dir)
+        if tag is None:
+            raise ConfigError(f"{save_dir}: no '{LATEST}' file; pass a tag (one of the global_step* folders)")
     path = save_dir / tag
     if not path.is_dir():
         raise ConfigError(f"{save_dir}: no checkpoint tagged '{tag}'")

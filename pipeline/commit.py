@@ -32,9 +32,11 @@ from model.config import ConfigError
 from pipeline.checkpoint import (
     CONFIG_FILE,
     DEEPSPEED_STATE_TYPES,
+    LATEST,
     check_same_model,
     check_vocab,
     fsync_dir,
+    latest_tag,
     load_file,
     model_config,
     write_atomic,
@@ -44,7 +46,6 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus
 
 MANIFEST = "fathom_manifest.json"
-LATEST = "latest"
 BEST = "best"
 
 
@@ -133,11 +134,6 @@ def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, An
         if removed := remove_uncommitted(save_dir):
             print(f"fathom: removed what crashed saves left: {', '.join(removed)}", flush=True)
     return client_state
-
-
-def latest_tag(save_dir: str | Path) -> str | None:
-    path = Path(save_dir) / LATEST
-    return path.read_text().strip() if path.exists() else None
 
 
 def read_manifest(checkpoint: Path) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig, exit_on_config_error
-from pipeline.checkpoint import CONFIG_FILE, layer_file
+from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file
 from pipeline.layers import layer_specs
 from pipeline.staging import check_out, staged
 from pipeline.to_fairseq import fairseq_key
@@ -143,7 +143,7 @@ def convert(args: argparse.Namespace) -> ModelConfig:
     with staged(out) as staging:
         (staging / TAG).mkdir()
         write_layers(cfg, state, staging / TAG, source)
-        (staging / "latest").write_text(TAG)
+        (staging / LATEST).write_text(TAG)
         (staging / CONFIG_FILE).write_text(json.dumps({"model": cfg.__dict__}, indent=2) + "\n")
     return cfg
 

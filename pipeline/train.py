@@ -25,7 +25,14 @@ from model.config import ConfigError, ModelConfig, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline import admin, commit
-from pipeline.checkpoint import CONFIG_FILE, check_init_from, checkpoint_dir, write_atomic, write_dictionaries
+from pipeline.checkpoint import (
+    CONFIG_FILE,
+    check_init_from,
+    checkpoint_dir,
+    latest_tag,
+    write_atomic,
+    write_dictionaries,
+)
 from pipeline.config import RunConfig, TrainConfig, load_config
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
@@ -225,7 +232,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     Admin's profiled omegas, and writes the run's records. Returns the best validation loss so far."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     best = float("inf")
-    if resume and commit.latest_tag(save_dir) is not None:
+    if resume and latest_tag(save_dir) is not None:
         best = commit.load(engine, save_dir).get("best_valid_loss", best)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
@@ -294,7 +301,7 @@ def run(
         metrics.write(record)
         done = record["step"]
         if guard.found is not None:
-            guard.enforce(cfg.train.on_nonfinite, done, commit.latest_tag(save_dir))
+            guard.enforce(cfg.train.on_nonfinite, done, latest_tag(save_dir))
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
@@ -325,7 +332,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
     save_dir = Path(cfg.train.save_dir)
-    if not args.resume and (save_dir / "latest").exists():
+    if not args.resume and latest_tag(save_dir) is not None:
         raise ConfigError(
             f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
             "or choose another save_dir"

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from model.config import ModelConfig
 from model.transformer import module_names
 from pipeline.layers import layer_specs
+from pipeline.world import end_distributed
 
 GRAD_NORMS_FILE = "grad_norms.jsonl"
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
@@ -50,8 +51,7 @@ def exit_on_nonfinite(report: bool = True) -> Iterator[None]:
     except NonFiniteError as err:
         if report:
             print(f"fathom: error: {err}", file=sys.stderr, flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_distributed()
         sys.exit(NONFINITE_EXIT)
 
 

@@ -3,6 +3,7 @@
 The training script needs them before the process group exists (the config check, which rank reports
 errors, how many CPU threads each rank takes), when only the launcher's environment knows them, and
 each launcher names them differently. Each tuple is searched in order; the first variable set wins.
+`end_distributed` is the other end of a launched process: the clean exit of its process group.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from model.config import ConfigError
 
@@ -76,3 +79,13 @@ def check_mpi_discovery(environ: Mapping[str, str] = os.environ) -> None:
         import mpi4py  # noqa: F401
     except ImportError:
         raise ConfigError("started by mpirun, but mpi4py is not installed; pip install -e '.[mpi]'") from None
+
+
+def end_distributed() -> None:
+    """Every rank, after its last collective of a run that ended cleanly: meet, then tear the process
+    group down. Left to interpreter exit, gloo's worker threads can outlive the interpreter and abort
+    a finished run ("terminate called without an active exception", exit 250; pytorch/pytorch#190489).
+    Not for a failing rank: its peers may be inside a collective it will never join."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

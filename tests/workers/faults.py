@@ -20,6 +20,7 @@ import torch
 from model.transformer import module_names
 from pipeline import train as training
 from pipeline.config import load_config
+from pipeline.world import end_distributed
 
 build_engine = training.build_engine
 
@@ -76,3 +77,4 @@ else:
         corpus = training.build_corpus(cfg)
         cfg.model = training.with_vocab(cfg.model, corpus)
         training.train(cfg, corpus, resume=False)
+    end_distributed()

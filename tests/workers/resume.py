@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.train import build_corpus, train, with_vocab
+from pipeline.world import end_distributed
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
 config_path, out, steps = args[0], Path(args[1]), int(args[2])
@@ -23,3 +24,4 @@ for case in args[3:]:
         corpus = build_corpus(cfg)
         cfg.model = with_vocab(cfg.model, corpus)
         train(cfg, corpus, resume)
+end_distributed()

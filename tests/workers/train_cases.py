@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.train import build_corpus, train, with_vocab
+from pipeline.world import end_distributed
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
 config_path, out = args[0], Path(args[1])
@@ -17,3 +18,4 @@ for case in args[2:]:
     corpus = build_corpus(cfg)
     cfg.model = with_vocab(cfg.model, corpus)
     train(cfg, corpus, resume=False)
+end_distributed()

@@ -44,6 +44,7 @@ from pipeline.checkpoint import (
 from pipeline.config import RunConfig
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus
+from pipeline.world import end_distributed
 
 MANIFEST = "fathom_manifest.json"
 BEST = "best"
@@ -206,7 +207,9 @@ def verify_contents(save_dir: str | Path) -> None:
     first = next((p for p in problems if p), None)
     if first is None:
         return
-    if dist.get_rank() == 0:
+    rank = dist.get_rank()
+    end_distributed()  # every rank stops here, so all can meet and exit with status 2, not an abort
+    if rank == 0:
         raise ConfigError(first)
     sys.exit(2)  # rank 0 reports it
 

@@ -195,7 +195,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: in
     loss = engine.train_batch(data_iter=data)
     elapsed = time.perf_counter() - tick
     # Every stage of a data-parallel replica reads the same micro-batches: count each once.
-    tokens = torch.tensor(float(data.target_tokens - tokens_before))
+    tokens = torch.tensor(float(data.target_tokens - tokens_before), device=engine.device)  # nccl: GPU tensors only
     dist.all_reduce(tokens)
     tokens = tokens.item() / stages
     return {
@@ -213,13 +213,13 @@ def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> fl
     grid = engine.grid
     mine = batches[grid.get_data_parallel_rank() :: grid.get_data_parallel_world_size()]
     loss = engine.eval_batch(iter(mine), num_micro_batches=len(mine)) if mine else torch.tensor(0.0)
-    total = torch.tensor([loss.item() * len(mine), float(len(mine))])
+    total = torch.tensor([loss.item() * len(mine), float(len(mine))], device=engine.device)
     dist.all_reduce(total, group=grid.get_data_parallel_group())
     return (total[0] / total[1]).item()
 
 
 def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: float) -> str:
-    extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha",) if k in record)
+    extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha", "loss_scale") if k in record)
     eta = seconds_per_step * (max_steps - record["step"])
     return (
         f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{extra} | "

@@ -34,7 +34,7 @@ def faulty_forward(forward, kind, now):
         if kind == "output":
             x = x + math.inf
         else:
-            x = x.masked_fill(torch.arange(x.size(-1)) == x.size(-1) - 1, -math.inf)
+            x = x.masked_fill(torch.arange(x.size(-1), device=x.device) == x.size(-1) - 1, -math.inf)
         return (x, *rest) if rest else x
 
     return run

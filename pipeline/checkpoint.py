@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.fp16.loss_scaler import LossScaler
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
@@ -29,7 +29,8 @@ CONFIG_FILE = "config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
 # The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
-DEEPSPEED_STATE_TYPES = [LossScaler, ZeroStageEnum, fragment_address]
+# fp16 runs (GPU only) save DynamicLossScaler where the others save LossScaler.
+DEEPSPEED_STATE_TYPES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
 DICTIONARIES_FILE = "dictionaries.json"

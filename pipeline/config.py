@@ -228,6 +228,13 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             raise ConfigError(f'{precision}: expected an object like {{"enabled": true}}')
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
+    # DeepSpeed 0.19.8's engine.backward scales the loss only for ZeRO optimizers, while the fp16 optimizer
+    # without ZeRO divides every gradient by the loss scale (deepspeedai/DeepSpeed#8393): updates come out
+    # scale times too small and overflows go unseen. Seen on an H200: 2^24 and 2^28 gave the same losses.
+    if ds.get("fp16", {}).get("enabled") and zero_stage == 0:
+        raise ConfigError(
+            "fp16.enabled: DeepSpeed never scales the loss for fp16 without ZeRO; set zero_optimization.stage to 1"
+        )
     if ds.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
         raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
     # DeepSpeed 0.19.8 saves this mode's optimizer state (BF16_Optimizer, which still shards its fp32

@@ -224,10 +224,12 @@ class StabilityGuard:
             raise RuntimeError(f"step {step}: DeepSpeed applied an update despite a {self.found}")
 
     def step_record(self) -> dict[str, Any]:
-        """metrics.jsonl fields of the last step: none for a healthy one."""
-        if not self.skipped:
-            return {}
-        return {"skipped": True, "nonfinite": self.found or "fp16 gradient overflow (DeepSpeed's loss scaler)"}
+        """metrics.jsonl fields of the last step: fp16's loss scale after it (as fairseq logs it), and
+        for a skipped step, why."""
+        record = {"loss_scale": self.engine._get_optimizer_loss_scale()} if self.engine.fp16_enabled() else {}
+        if self.skipped:
+            record |= {"skipped": True, "nonfinite": self.found or "fp16 gradient overflow (DeepSpeed's loss scaler)"}
+        return record
 
     def enforce(self, policy: str, step: int, last_checkpoint: str | None) -> None:
         """Acts on a step that went non-finite (`found`): raises NonFiniteError ("stop") or reports the skip."""

@@ -164,6 +164,18 @@ def test_deepspeed_optimizer_state_loads_without_unpickling_code(trained):
     assert state["optimizer_state_dict"]["zero_stage"] == 1
 
 
+def test_fp16_optimizer_state_loads_without_unpickling_code(tmp_path):
+    """fp16 runs (GPU only) pickle their dynamic loss scaler into the optimizer state, as ZeRO-1 and
+    DeepSpeed's FP16 optimizer do; --resume must load it under weights_only."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(2.0**16, 1000, 1, 2, False, True, torch.float16)
+    scaler.cur_scale, scaler.last_overflow_iter = 2.0**15, 7  # as after an overflow at step 7
+    torch.save({"loss_scaler": scaler, "dynamic_loss_scale": True}, tmp_path / "optim_states.pt")
+    loaded = load_file(tmp_path / "optim_states.pt", allowed=commit.DEEPSPEED_STATE_TYPES)["loss_scaler"]
+    assert vars(loaded) == vars(scaler)
+
+
 @pytest.mark.slow
 def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice):
     """Same size, one byte flipped: only the checksums see it, after the process group is up."""

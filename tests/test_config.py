@@ -60,6 +60,10 @@ CASES = [
         lambda raw: raw.update(bf16={"enabled": True}, zero_optimization={"stage": 0}),
         "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1",
     ),
+    (
+        lambda raw: raw.update(fp16={"enabled": True}, zero_optimization={"stage": 0}),
+        "fp16.enabled: DeepSpeed never scales the loss for fp16 without ZeRO; set zero_optimization.stage to 1",
+    ),
     (set_key(["gradient_clip"], 1.0), "gradient_clip: not a DeepSpeed key (DeepSpeed would ignore it); did you mean"),
     (
         set_key(["pipeline", "activation_checkpointing_interval"], 1),

@@ -3,14 +3,17 @@
 The training script needs them before the process group exists (the config check, which rank reports
 errors, how many CPU threads each rank takes), when only the launcher's environment knows them, and
 each launcher names them differently. Each tuple is searched in order; the first variable set wins.
-`end_distributed` is the other end of a launched process: the clean exit of its process group.
+`end_distributed` and `run_launched` are the other end of a launched process: how it exits.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -83,9 +86,27 @@ def check_mpi_discovery(environ: Mapping[str, str] = os.environ) -> None:
 
 def end_distributed() -> None:
     """Every rank, after its last collective of a run that ended cleanly: meet, then tear the process
-    group down. Left to interpreter exit, gloo's worker threads can outlive the interpreter and abort
-    a finished run ("terminate called without an active exception", exit 250; pytorch/pytorch#190489).
-    Not for a failing rank: its peers may be inside a collective it will never join."""
+    group down, so that no rank leaves while a peer still needs it. Not for a failing rank: its peers
+    may be inside a collective it will never join."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def run_launched(main: Callable[[], object]) -> NoReturn:
+    """Runs a launched process's main, then ends the process with main's exit status, skipping the
+    interpreter's teardown. DeepSpeed keeps its process groups referenced (pipeline grid, p2p, ZeRO), so
+    destroy_process_group cannot free them, and gloo objects freed while the interpreter finalizes can
+    abort a run that has finished: "terminate called without an active exception", exit 250, twice in
+    CI after a run's last line (the mechanism: pytorch/pytorch#179291). Tracebacks print as usual."""
+    try:
+        main()
+        status = 0
+    except SystemExit as exit_:
+        status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        if not isinstance(exit_.code, int | None):
+            print(exit_.code, file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -13,6 +13,7 @@ import torch
 
 from pipeline import commit
 from pipeline.train import main
+from pipeline.world import run_launched
 
 
 def die() -> None:
@@ -54,4 +55,4 @@ if "FATHOM_CRASH" in os.environ:
             crash_mid_file(int(count[0]))
         else:
             crash_before_latest()
-main()
+run_launched(main)

@@ -20,7 +20,7 @@ import torch
 from model.transformer import module_names
 from pipeline import train as training
 from pipeline.config import load_config
-from pipeline.world import end_distributed
+from pipeline.world import end_distributed, run_launched
 
 build_engine = training.build_engine
 
@@ -62,14 +62,9 @@ def inject(fault):
     training.build_engine = build_faulty_engine
 
 
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
-if args[0] == "main":
-    inject(args[1])
-    training.main(args[2:])
-else:
-    config_path, out = args[1], Path(args[2])
+def cases(config_path, out, specs):
     world_size = int(os.environ["WORLD_SIZE"])  # set by the launcher
-    for case in args[3:]:
+    for case in specs:
         name, _, spec = case.partition("=")
         fault, *overrides = spec.split(",")
         inject(fault)
@@ -78,3 +73,11 @@ else:
         cfg.model = training.with_vocab(cfg.model, corpus)
         training.train(cfg, corpus, resume=False)
     end_distributed()
+
+
+args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+if args[0] == "main":
+    inject(args[1])
+    run_launched(lambda: training.main(args[2:]))
+else:
+    run_launched(lambda: cases(args[1], Path(args[2]), args[3:]))

@@ -18,31 +18,36 @@ from pipeline.config import load_config
 from pipeline.data import MicroBatches
 from pipeline.hooks import ScheduleHook
 from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
-from pipeline.world import end_distributed
+from pipeline.world import end_distributed, run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 
-init_distributed()
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
-config_path, out = args[0], Path(args[1])
-for case in args[2:]:
-    name, _, overrides = case.partition("=")
-    save_dir = out / name
-    cfg = load_config(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
-    corpus = build_corpus(cfg)
-    cfg.model = with_vocab(cfg.model, corpus)
-    engine = build_engine(cfg)
-    if dist.get_rank() == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
-    if build_scheme(cfg.model).profiled:
-        dist.barrier()  # save_dir exists before rank 0 writes the profile into it
-        admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
-    ScheduleHook(engine.module)(STEP)
-    engine.save_checkpoint(str(save_dir), tag="before")
-    data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
-    loss = engine.train_batch(data_iter=data)
-    engine.save_checkpoint(str(save_dir), tag="after")
-    layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
-    (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
-end_distributed()
+
+def main():
+    init_distributed()
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+    config_path, out = args[0], Path(args[1])
+    for case in args[2:]:
+        name, _, overrides = case.partition("=")
+        save_dir = out / name
+        cfg = load_config(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
+        corpus = build_corpus(cfg)
+        cfg.model = with_vocab(cfg.model, corpus)
+        engine = build_engine(cfg)
+        if dist.get_rank() == 0:
+            save_dir.mkdir(parents=True, exist_ok=True)
+            (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+        if build_scheme(cfg.model).profiled:
+            dist.barrier()  # save_dir exists before rank 0 writes the profile into it
+            admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
+        ScheduleHook(engine.module)(STEP)
+        engine.save_checkpoint(str(save_dir), tag="before")
+        data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
+        loss = engine.train_batch(data_iter=data)
+        engine.save_checkpoint(str(save_dir), tag="after")
+        layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
+        (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
+    end_distributed()
+
+
+run_launched(main)

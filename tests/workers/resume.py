@@ -9,19 +9,24 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.train import build_corpus, train, with_vocab
-from pipeline.world import end_distributed
+from pipeline.world import end_distributed, run_launched
 
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
-config_path, out, steps = args[0], Path(args[1]), int(args[2])
-for case in args[3:]:
-    name, _, overrides = case.partition("=")
-    for run, max_steps, resume in (("full", steps, False), ("cut", steps // 2, False), ("cut", steps, True)):
-        cfg = load_config(
-            config_path,
-            [f"train.save_dir={out / name / run}", f"train.max_steps={max_steps}", *overrides.split(",")],
-            world_size=2,
-        )
-        corpus = build_corpus(cfg)
-        cfg.model = with_vocab(cfg.model, corpus)
-        train(cfg, corpus, resume)
-end_distributed()
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+    config_path, out, steps = args[0], Path(args[1]), int(args[2])
+    for case in args[3:]:
+        name, _, overrides = case.partition("=")
+        for run, max_steps, resume in (("full", steps, False), ("cut", steps // 2, False), ("cut", steps, True)):
+            cfg = load_config(
+                config_path,
+                [f"train.save_dir={out / name / run}", f"train.max_steps={max_steps}", *overrides.split(",")],
+                world_size=2,
+            )
+            corpus = build_corpus(cfg)
+            cfg.model = with_vocab(cfg.model, corpus)
+            train(cfg, corpus, resume)
+    end_distributed()
+
+
+run_launched(main)

@@ -8,14 +8,19 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.train import build_corpus, train, with_vocab
-from pipeline.world import end_distributed
+from pipeline.world import end_distributed, run_launched
 
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
-config_path, out = args[0], Path(args[1])
-for case in args[2:]:
-    name, _, overrides = case.partition("=")
-    cfg = load_config(config_path, [f"train.save_dir={out / name}", *overrides.split(",")], world_size=2)
-    corpus = build_corpus(cfg)
-    cfg.model = with_vocab(cfg.model, corpus)
-    train(cfg, corpus, resume=False)
-end_distributed()
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+    config_path, out = args[0], Path(args[1])
+    for case in args[2:]:
+        name, _, overrides = case.partition("=")
+        cfg = load_config(config_path, [f"train.save_dir={out / name}", *overrides.split(",")], world_size=2)
+        corpus = build_corpus(cfg)
+        cfg.model = with_vocab(cfg.model, corpus)
+        train(cfg, corpus, resume=False)
+    end_distributed()
+
+
+run_launched(main)

@@ -34,6 +34,7 @@ from pipeline.bench import (
     synthetic_batch,
     with_peak,
 )
+from pipeline.world import run_launched
 
 
 def positive(text: str) -> int:
@@ -182,4 +183,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_launched(main)  # its gloo group, like a launched run's

@@ -1,7 +1,7 @@
-"""fp16 training with ZeRO-1, which needs a GPU (the config refuses it on CPUs): the loss scaler's routine overflows
-are skipped without ending the run, its scale survives --resume, and a real divergence stops the run or
-is skipped as in fp32 and bf16 (tests/test_stability.py). One GPU, one pipeline stage, the real
-launcher. Skipped without CUDA; on a GPU machine: `pytest -m gpu`."""
+"""fp16 training with ZeRO-1, which needs a GPU (the config refuses it on CPUs): the loss scaler's
+routine overflows are skipped without ending the run, its scale survives --resume, and a real divergence
+stops the run or is skipped as in fp32 and bf16 (tests/test_stability.py). One GPU, one pipeline stage,
+the real launcher. Skipped without CUDA; on a GPU machine: `pytest -m gpu`."""
 
 import math
 

@@ -107,6 +107,11 @@ def run_launched(main: Callable[[], object]) -> NoReturn:
         if not isinstance(exit_.code, int | None):
             print(exit_.code, file=sys.stderr)
     logging.shutdown()
+    # mpirun counts a process that leaves without MPI_Finalize as failed, and mpi4py finalizes only at
+    # interpreter exit (present when DeepSpeed's MPI discovery imported it).
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

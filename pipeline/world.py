@@ -103,9 +103,11 @@ def run_launched(main: Callable[[], object]) -> NoReturn:
         main()
         status = 0
     except SystemExit as exit_:
-        status = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
-        if not isinstance(exit_.code, int | None):
+        if exit_.code is None or isinstance(exit_.code, int):
+            status = exit_.code or 0
+        else:  # sys.exit("message"): Python prints it and exits with 1
             print(exit_.code, file=sys.stderr)
+            status = 1
     logging.shutdown()
     # mpirun counts a process that leaves without MPI_Finalize as failed, and mpi4py finalizes only at
     # interpreter exit (present when DeepSpeed's MPI discovery imported it).

@@ -42,7 +42,7 @@ from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
 from pipeline.watchdog import Watchdog, backend_timeout
-from pipeline.world import check_mpi_discovery, cpu_threads, end_distributed, launched_world, master_port
+from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
 METRICS_FILE = "metrics.jsonl"
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -351,4 +351,3 @@ def main(argv: list[str] | None = None) -> None:
     # exit_on_config_error: a checkpoint file that fails to load, on whichever rank reads it
     with exit_on_config_error(), exit_on_nonfinite(report=world.rank == 0):
         train(cfg, corpus, args.resume)
-    end_distributed()

@@ -94,13 +94,15 @@ def end_distributed() -> None:
 
 
 def run_launched(main: Callable[[], object]) -> NoReturn:
-    """Runs a launched process's main, then ends the process with main's exit status, skipping the
+    """Runs a launched process's main; if it returns, every rank got there, so they meet and end the
+    process group (end_distributed). Then ends the process with main's exit status, skipping the
     interpreter's teardown. DeepSpeed keeps its process groups referenced (pipeline grid, p2p, ZeRO), so
     destroy_process_group cannot free them, and gloo objects freed while the interpreter finalizes can
     abort a run that has finished: "terminate called without an active exception", exit 250, twice in
     CI after a run's last line (the mechanism: pytorch/pytorch#179291). Tracebacks print as usual."""
     try:
         main()
+        end_distributed()
         status = 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):

@@ -20,7 +20,7 @@ import torch
 from model.transformer import module_names
 from pipeline import train as training
 from pipeline.config import load_config
-from pipeline.world import end_distributed, run_launched
+from pipeline.world import run_launched
 
 build_engine = training.build_engine
 
@@ -72,7 +72,6 @@ def cases(config_path, out, specs):
         corpus = training.build_corpus(cfg)
         cfg.model = training.with_vocab(cfg.model, corpus)
         training.train(cfg, corpus, resume=False)
-    end_distributed()
 
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher

@@ -18,7 +18,7 @@ from pipeline.config import load_config
 from pipeline.data import MicroBatches
 from pipeline.hooks import ScheduleHook
 from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
-from pipeline.world import end_distributed, run_launched
+from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 
@@ -47,7 +47,6 @@ def main():
         engine.save_checkpoint(str(save_dir), tag="after")
         layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
         (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
-    end_distributed()
 
 
 run_launched(main)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.train import build_corpus, train, with_vocab
-from pipeline.world import end_distributed, run_launched
+from pipeline.world import run_launched
 
 
 def main():
@@ -26,7 +26,6 @@ def main():
             corpus = build_corpus(cfg)
             cfg.model = with_vocab(cfg.model, corpus)
             train(cfg, corpus, resume)
-    end_distributed()
 
 
 run_launched(main)

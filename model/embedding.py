@@ -25,10 +25,17 @@ def sinusoidal_table(num_positions: int, dim: int, padding_idx: int = PAD) -> to
     return table
 
 
-def positions_of(tokens: torch.Tensor, padding_idx: int = PAD) -> torch.Tensor:
-    """Positions counted over non-pad tokens from padding_idx + 1, so left or right padding give the same."""
+def positions_of(tokens: torch.Tensor, padding_idx: int = PAD, start: int = 0) -> torch.Tensor:
+    """Positions counted over non-pad tokens from padding_idx + 1, so left or right padding give the same;
+    `start`: the tokens continue a prefix of that many (unpadded) tokens, as in incremental decoding."""
     mask = tokens.ne(padding_idx).long()
-    return torch.cumsum(mask, dim=1) * mask + padding_idx
+    return (torch.cumsum(mask, dim=1) + start) * mask + padding_idx
+
+
+def table_rows(positions: int) -> int:
+    """Rows of the sinusoid table to build for `positions`, rounded up so that decoding one position at a
+    time reuses one cached table instead of building a new one per step."""
+    return -(-positions // 256) * 256
 
 
 def _normal_rows(table: nn.Embedding, std: float) -> None:
@@ -62,15 +69,16 @@ class Embedding(nn.Embedding):
         self.scale = math.sqrt(embed_dim)
         self.dropout = nn.Dropout(dropout)
 
-    def position_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = positions_of(tokens, self.padding_idx)
+    def position_embeddings(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        positions = positions_of(tokens, self.padding_idx, start)
         if self.positions is not None:
             return self.positions(positions)
-        table = sinusoidal_table(int(positions.max()) + 1, self.embedding_dim, self.padding_idx)
+        table = sinusoidal_table(table_rows(int(positions.max()) + 1), self.embedding_dim, self.padding_idx)
         return table.to(self.weight)[positions]
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.scale * super().forward(tokens) + self.position_embeddings(tokens))
+    def embed(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`start`: tokens continue an unpadded prefix of that many tokens (incremental decoding)."""
+        return self.dropout(self.scale * super().forward(tokens) + self.position_embeddings(tokens, start))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.cache import AttentionCache, KeysValues, LayerCache
 from model.config import PAD, ModelConfig
 from model.norms import Side, build_scheme
 
@@ -41,18 +42,20 @@ class MultiheadAttention(nn.Module):
         batch, length, dim = x.shape
         return x.view(batch, length, self.num_heads, dim // self.num_heads).transpose(1, 2)
 
+    def keys_values(self, key_value: torch.Tensor) -> KeysValues:
+        return self._heads(self.k_proj(key_value)), self._heads(self.v_proj(key_value))
+
     def forward(
         self,
         query: torch.Tensor,
         key_value: torch.Tensor,
         mask: torch.Tensor | None = None,
         causal: bool = False,
+        cache: AttentionCache | None = None,
     ) -> torch.Tensor:
-        q, k, v = (
-            self._heads(self.q_proj(query)),
-            self._heads(self.k_proj(key_value)),
-            self._heads(self.v_proj(key_value)),
-        )
+        """With a cache, keys and values already computed for earlier positions (or the source) are reused."""
+        q = self._heads(self.q_proj(query))
+        k, v = self.keys_values(key_value) if cache is None else cache.update(self.keys_values, key_value)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )
@@ -101,13 +104,22 @@ class DecoderLayer(TransformerLayer):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, "decoder")
 
-    def forward(self, x: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
-        # Targets are right-padded, so the causal mask alone keeps real queries off pad keys.
+    def forward(
+        self, x: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """With a cache, x is the newest target position only and attends over the cached prefix."""
+        self_cache, encoder_cache = (None, None) if cache is None else (cache.self_attn, cache.encoder_attn)
+        # Targets are right-padded, so the causal mask alone keeps real queries off pad keys; one new
+        # position attends over its whole cached prefix.
         x = self.self_attn_residual(
-            x, lambda h: self.dropout(self.self_attn(h, h, causal=True)), self.self_attn_layer_norm
+            x,
+            lambda h: self.dropout(self.self_attn(h, h, causal=cache is None, cache=self_cache)),
+            self.self_attn_layer_norm,
         )
         mask = key_mask(src_tokens)
         x = self.encoder_attn_residual(
-            x, lambda h: self.dropout(self.encoder_attn(h, encoder_out, mask)), self.encoder_attn_layer_norm
+            x,
+            lambda h: self.dropout(self.encoder_attn(h, encoder_out, mask, cache=encoder_cache)),
+            self.encoder_attn_layer_norm,
         )
         return self.ffn_residual(x, self.ffn, self.final_layer_norm)

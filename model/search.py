@@ -1,18 +1,156 @@
-"""Batched beam search with fairseq's scoring, over the single-process Transformer.
+"""Batched beam search with fairseq's scoring, decoding incrementally on the model's device.
 
 Every sentence of the batch and every beam advance together as tensors: the only Python loop is
-over output positions. Hypotheses are finalized like fairseq's SequenceGenerator: an eos among a
-sentence's top `beam` candidates ends a hypothesis scored sum(log p) / length ** lenpen (length
-counting the eos), a sentence is done after `beam` finalized hypotheses, and the best one wins.
+over output positions, and each step runs the decoder on the newest position only, attending over
+cached keys and values (model/cache.py). Hypotheses are finalized like fairseq's SequenceGenerator:
+an eos among a sentence's top `beam` candidates ends a hypothesis scored sum(log p) / length **
+lenpen (length counting the eos), a sentence is done after `beam` finalized hypotheses, the best one
+wins, and a done sentence leaves the batch, so it costs no more compute.
+
+The search talks to the model through a `StepDecoder`: `ModelDecoder` here runs the single-process
+Transformer; pipeline/decode.py runs the same search through the stages of a pipeline.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
+from model.cache import DecoderCache
 from model.config import EOS, PAD
 from model.transformer import Transformer
+
+# (scores, beam, token) of each sentence's 2 x beam best continuations, best first, (sentences, 2 x beam) each.
+Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Choose = Callable[[torch.Tensor], Candidates]
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without the final eos
+    score: float  # sum of log-probabilities (eos included) / length ** lenpen
+
+
+class StepDecoder(Protocol):
+    """One decoding step of some model over rows = sentences x beams."""
+
+    def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:
+        """Feeds each row's newest token (rows, 1); returns choose(next-token log-probabilities (rows, vocab))."""
+        ...
+
+    def reorder(self, rows: torch.Tensor, shrink: bool) -> None:
+        """Row i continues from row rows[i]; `shrink`: rows of whole sentences were dropped."""
+        ...
+
+
+def max_length(src_tokens: torch.Tensor, max_positions: int, max_len_a: float, max_len_b: int) -> int:
+    """fairseq's output length limit for a batch: a * longest source + b, within the model's positions."""
+    src_len = int(src_tokens.ne(PAD).sum(1).max())
+    return min(int(max_len_a * src_len + max_len_b), max_positions - 1)
+
+
+def chooser(scores: torch.Tensor, step: int, max_len: int, min_len: int) -> Choose:
+    """The candidate rule for one step: each beam's score plus the next token's log-probability, pad never,
+    eos not before min_len (fairseq's default forbids the empty translation) and only eos at max_len."""
+
+    def choose(lprobs: torch.Tensor) -> Candidates:
+        lprobs = lprobs.float()
+        lprobs[:, PAD] = float("-inf")
+        if step < min_len:
+            lprobs[:, EOS] = float("-inf")
+        if step == max_len:
+            eos_column = lprobs[:, EOS].clone()
+            lprobs.fill_(float("-inf"))
+            lprobs[:, EOS] = eos_column
+        sentences, k = scores.shape
+        vocab = lprobs.size(-1)
+        top_scores, top = (scores.view(-1, 1) + lprobs).view(sentences, k * vocab).topk(2 * k, dim=1)
+        return top_scores, top // vocab, top % vocab
+
+    return choose
+
+
+@torch.no_grad()
+def search(
+    decoder: StepDecoder,
+    batch: int,
+    beam: int,
+    max_len: int,
+    lenpen: float = 1.0,
+    min_len: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[Hypothesis]:
+    """Best hypothesis per sentence of a batch the decoder was started on, rows sentence-major."""
+    k = beam
+    tokens = torch.full((batch * k, 1), EOS, dtype=torch.long, device=device)
+    scores = torch.zeros(batch, k, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    finished = torch.full((batch, k, max_len + 1), PAD, dtype=torch.long, device=device)
+    finished_scores = torch.full((batch, k), float("-inf"), device=device)
+    num_finished = torch.zeros(batch, dtype=torch.long, device=device)
+    active = torch.arange(batch, device=device)  # the sentences still in the batch, by index
+
+    for step in range(max_len + 1):
+        top_scores, from_beam, token = decoder.step(tokens[:, -1:], chooser(scores, step, max_len, min_len))
+        is_eos = token == EOS
+
+        # Finalize eos candidates among each sentence's first k, in rank order, up to k per sentence.
+        take = is_eos[:, :k] & (top_scores[:, :k] > float("-inf"))
+        slot = num_finished[active, None] + take.cumsum(1) - 1
+        take &= slot < k
+        b, c = take.nonzero(as_tuple=True)
+        if len(b):
+            sentence, place = active[b], slot[b, c]
+            finished[sentence, place, :step] = tokens[b * k + from_beam[b, c], 1:]
+            finished[sentence, place, step] = EOS
+            finished_scores[sentence, place] = top_scores[b, c] / (step + 1) ** lenpen
+            num_finished[active] += take.sum(1)
+        running = num_finished[active] < k
+        if not bool(running.any()):
+            break
+
+        # Continue with the k best candidates that are not eos (each beam offers at most one eos), in the
+        # sentences still running.
+        rank = torch.arange(2 * k, device=device).expand(len(active), -1)
+        keep = torch.where(is_eos, rank + 2 * k, rank).argsort(dim=1)[:, :k][running]
+        rows = torch.arange(len(active), device=device)[running, None] * k
+        parents = (rows + from_beam[running].gather(1, keep)).view(-1)
+        scores = top_scores[running].gather(1, keep)
+        tokens = torch.cat([tokens[parents], token[running].gather(1, keep).view(-1, 1)], dim=1)
+        shrink = not bool(running.all())
+        active = active[running]
+        decoder.reorder(parents, shrink)
+
+    best_scores, best = finished_scores.max(dim=1)
+    best_tokens = finished[torch.arange(batch, device=device), best].tolist()
+    return [
+        Hypothesis(row[: row.index(EOS)], score) for row, score in zip(best_tokens, best_scores.tolist(), strict=True)
+    ]
+
+
+class ModelDecoder:
+    """Decoding steps of the single-process Transformer, from the encoder output and a decoder cache."""
+
+    def __init__(self, model: Transformer, src_tokens: torch.Tensor, beam: int):
+        self.model = model
+        self.src_tokens = src_tokens.repeat_interleave(beam, dim=0)
+        self.encoder_out = model.encoder(src_tokens).repeat_interleave(beam, dim=0)
+        self.cache = DecoderCache(len(model.decoder.layers))
+
+    def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:
+        hidden = self.model.decoder.features(tokens, self.encoder_out, self.src_tokens, self.cache)[:, -1]
+        return choose(F.log_softmax(self.model.decoder.output_projection.project(hidden).float(), dim=-1))
+
+    def reorder(self, rows: torch.Tensor, shrink: bool) -> None:
+        if shrink:
+            self.cache.select(rows)
+            self.src_tokens, self.encoder_out = self.src_tokens[rows], self.encoder_out[rows]
+        else:
+            self.cache.reorder(rows)
 
 
 @torch.no_grad()
@@ -24,59 +162,11 @@ def beam_search(
     max_len_a: float = 0.0,
     max_len_b: int = 200,
     min_len: int = 1,
-) -> list[list[int]]:
-    """Best hypothesis per source sentence (token ids ending before eos). beam=1 is greedy decoding."""
+) -> list[Hypothesis]:
+    """Best hypothesis per source sentence, decoded on the model's device. beam=1 is greedy decoding."""
     model.eval()
-    batch, k = src_tokens.size(0), beam
-    src_len = int(src_tokens.ne(PAD).sum(1).max())
-    max_len = min(int(max_len_a * src_len + max_len_b), model.cfg.max_positions - 1)
-
-    src = src_tokens.repeat_interleave(k, dim=0)
-    encoder_out = model.encoder(src_tokens).repeat_interleave(k, dim=0)
-    tokens = torch.full((batch * k, 1), EOS, dtype=torch.long)
-    scores = torch.zeros(batch, k)
-    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    finished = torch.full((batch, k, max_len + 1), PAD, dtype=torch.long)
-    finished_scores = torch.full((batch, k), float("-inf"))
-    num_finished = torch.zeros(batch, dtype=torch.long)
-    rows = torch.arange(batch)[:, None]
-
-    for step in range(max_len + 1):
-        hidden = model.decoder.features(tokens, encoder_out, src)[:, -1]
-        lprobs = F.log_softmax(model.decoder.output_projection.project(hidden).float(), dim=-1)
-        lprobs[:, PAD] = float("-inf")
-        if step < min_len:  # fairseq's default forbids the empty translation
-            lprobs[:, EOS] = float("-inf")
-        if step == max_len:  # out of room: only eos
-            eos_column = lprobs[:, EOS].clone()
-            lprobs.fill_(float("-inf"))
-            lprobs[:, EOS] = eos_column
-        vocab = lprobs.size(-1)
-        candidates = (scores.view(-1, 1) + lprobs).view(batch, k * vocab)
-        top_scores, top = candidates.topk(2 * k, dim=1)
-        from_beam, token = top // vocab, top % vocab
-        is_eos = token == EOS
-
-        # Finalize eos candidates among each sentence's first k, in rank order, up to k per sentence.
-        take = is_eos[:, :k] & (top_scores[:, :k] > float("-inf"))
-        slot = num_finished[:, None] + take.cumsum(1) - 1
-        take &= slot < k
-        b, c = take.nonzero(as_tuple=True)
-        if len(b):
-            source_rows = b * k + from_beam[b, c]
-            finished[b, slot[b, c], :step] = tokens[source_rows, 1:]
-            finished[b, slot[b, c], step] = EOS
-            finished_scores[b, slot[b, c]] = top_scores[b, c] / (step + 1) ** lenpen
-            num_finished += take.sum(1)
-        if bool((num_finished >= k).all()):
-            break
-
-        # Continue with the k best candidates that are not eos (each beam offers at most one eos).
-        rank = torch.arange(2 * k).expand(batch, -1)
-        keep = torch.where(is_eos, rank + 2 * k, rank).argsort(dim=1)[:, :k]
-        scores = top_scores.gather(1, keep)
-        parents = (rows * k + from_beam.gather(1, keep)).view(-1)
-        tokens = torch.cat([tokens[parents], token.gather(1, keep).view(-1, 1)], dim=1)
-
-    best = finished[torch.arange(batch), finished_scores.argmax(dim=1)]
-    return [row[: int((row == EOS).nonzero()[0])].tolist() for row in best]
+    device = next(model.parameters()).device
+    src_tokens = src_tokens.to(device)
+    max_len = max_length(src_tokens, model.cfg.max_positions, max_len_a, max_len_b)
+    decoder = ModelDecoder(model, src_tokens, beam)
+    return search(decoder, src_tokens.size(0), beam, max_len, lenpen, min_len, device)

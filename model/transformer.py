@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.cache import DecoderCache
 from model.config import ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
@@ -39,12 +40,20 @@ class Decoder(nn.Module):
         self.output_projection = output_projection
 
     def features(
-        self, prev_output_tokens: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out: torch.Tensor,
+        src_tokens: torch.Tensor,
+        cache: DecoderCache | None = None,
     ) -> torch.Tensor:
-        """Hidden states before the output projection (search projects only the last position)."""
-        x = self.embed_tokens.embed(prev_output_tokens)
-        for layer in self.layers:
-            x = layer(x, encoder_out, src_tokens)
+        """Hidden states before the output projection. With a cache (incremental decoding),
+        prev_output_tokens holds only the newest position of each prefix the cache holds."""
+        start = 0 if cache is None else cache.length
+        x = self.embed_tokens.embed(prev_output_tokens, start)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, encoder_out, src_tokens, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.length += prev_output_tokens.size(1)
         return x if self.layer_norm is None else self.layer_norm(x)
 
     def forward(

@@ -55,8 +55,8 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     for batch in tqdm(batches, desc=f"translating {args.subset}", unit="batch", file=sys.stderr):
         (src, _), _ = collate([corpus.pair(int(i)) for i in batch])
         outputs = beam_search(model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
-        for index, ids in zip(batch, outputs, strict=True):
-            hypotheses[int(index)] = detok.decode_pieces(corpus.tgt_dict.decode(ids))
+        for index, hypothesis in zip(batch, outputs, strict=True):
+            hypotheses[int(index)] = detok.decode_pieces(corpus.tgt_dict.decode(hypothesis.tokens))
     references = (data / f"{args.subset}.raw.{corpus.tgt}").read_text(encoding="utf-8").splitlines()
     return hypotheses, references
 

@@ -1,35 +1,136 @@
-"""Batched beam search: greedy at beam 1, batch-independent, and exact on memorized pairs."""
+"""Incremental beam search: exactly the full-recompute search's hypotheses and scores for every scheme,
+greedy at beam 1, batch-independent, finished sentences leave the batch, exact on memorized pairs."""
+
+import functools
 
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from model import SCHEMES, ModelConfig, Transformer
 from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
-from model.search import beam_search
+from model.search import ModelDecoder, beam_search, search
 from pipeline.data import collate
+from pipeline.hooks import ScheduleHook
+from tests.reference_search import full_recompute_search
 
 
-def tiny_model(seed=0, **kw) -> Transformer:
+def tiny_model(seed=0, scheme="pre_ln", **kw) -> Transformer:
     torch.manual_seed(seed)
     cfg = ModelConfig(
-        encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,
-        src_vocab_size=24, tgt_vocab_size=24, norm_scheme="pre_ln", **kw,
+        encoder_layers=2, decoder_layers=3, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,
+        src_vocab_size=24, tgt_vocab_size=24, norm_scheme=scheme, schemes={"branchnorm": {"T": 10}}, **kw,
     )  # fmt: skip
     return Transformer(cfg).eval()
 
 
+def trained_looking(scheme: str, seed: int = 0, **kw) -> Transformer:
+    """A model whose scheme-specific parts are far from their initial values, as after training (Admin's
+    omegas, ReZero's w, every LayerNorm), at BranchNorm alpha_t = 0.4."""
+    model = tiny_model(seed, scheme, **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "omega" in name or "_residual.weight" in name:
+                p.copy_(torch.rand_like(p) * 2 + 0.2)
+            elif "layer_norm" in name or "ffn_layernorm" in name or "inner_attn_ln" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    ScheduleHook(model)(4)
+    return model
+
+
+@functools.cache
+def briefly_trained(scheme: str, **kw) -> Transformer:
+    """A trained-looking model after 40 steps on random pairs of lengths 1-9: its sentences end at
+    different steps (an untrained one mostly writes to the length limit, or stops at once)."""
+    model = trained_looking(scheme, **kw).train()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.stack([torch.randint(1, 8, (32,), generator=g), torch.randint(1, 10, (32,), generator=g)], 1)
+    pairs = [tuple(torch.randint(4, 24, (n,), generator=g) for n in pair) for pair in lengths.tolist()]
+    (src, prev), target = collate(pairs)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        loss = label_smoothed_cross_entropy(model(src, prev), target, smoothing=0.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def assert_ends_vary(hypotheses, limit: int) -> None:
+    """The case the cache and the shrinking batch must get right: sentences ending at different steps."""
+    lengths = [len(h.tokens) for h in hypotheses]
+    assert len(set(lengths)) > 1 and min(lengths) < limit, lengths
+
+
 def greedy(model, src, max_len):
     tokens = torch.tensor([[EOS]])
-    for _ in range(max_len):
-        nxt = model(src, tokens)[0, -1].argmax().item()
+    for step in range(max_len):
+        logits = model(src, tokens)[0, -1]
+        if step == 0:  # the search's min_len=1 (fairseq's): no empty translation
+            logits[EOS] = float("-inf")
+        nxt = logits.argmax().item()
         if nxt == EOS:
             break
         tokens = torch.cat([tokens, torch.tensor([[nxt]])], dim=1)
     return tokens[0, 1:].tolist()
 
 
-SOURCES = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 5], [14, 15, 16, 17], [6, 6, 9, 20, 21, 22]]
+SOURCES = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 5], [14, 15, 16, 17], [6, 6, 9, 20, 21, 22], [7], [19, 18, 17, 16]]
+
+
+def batch_of(sources):
+    (src, _), _ = collate([(torch.tensor(s), torch.tensor([4])) for s in sources])
+    return src
+
+
+def assert_same_hypotheses(got, want):
+    assert [h.tokens for h in got] == [h.tokens for h in want]
+    torch.testing.assert_close(
+        torch.tensor([h.score for h in got]), torch.tensor([h.score for h in want]), rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_incremental_search_equals_full_recompute(scheme, beam):
+    model, src = briefly_trained(scheme), batch_of(SOURCES)
+    got = beam_search(model, src, beam=beam, lenpen=0.6, max_len_b=5)
+    want = full_recompute_search(model, src, beam=beam, lenpen=0.6, max_len_b=5)
+    assert_same_hypotheses(got, want)
+    assert_ends_vary(want, 5)
+
+
+@pytest.mark.parametrize("share", ["all", "decoder+learned_pos"])
+def test_incremental_search_with_shared_tables_and_learned_positions(share):
+    model = briefly_trained(
+        "post_ln",
+        share_all_embeddings=share == "all",
+        share_decoder_input_output_embed=share.startswith("decoder"),
+        learned_pos=share.endswith("learned_pos"),
+    )
+    src = batch_of(SOURCES)
+    want = full_recompute_search(model, src, beam=3, lenpen=1.0, max_len_b=5)
+    assert_same_hypotheses(beam_search(model, src, beam=3, lenpen=1.0, max_len_b=5), want)
+    assert_ends_vary(want, 5)
+
+
+class CountingDecoder(ModelDecoder):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rows = []
+
+    def step(self, tokens, choose):
+        self.rows.append(tokens.size(0))
+        return super().step(tokens, choose)
+
+
+def test_finished_sentences_leave_the_batch():
+    model, src = briefly_trained("post_ln"), batch_of(SOURCES)
+    decoder = CountingDecoder(model, src, 4)
+    hypotheses = search(decoder, len(SOURCES), beam=4, max_len=30, lenpen=0.6)
+    assert decoder.rows[0] == 4 * len(SOURCES)
+    assert decoder.rows == sorted(decoder.rows, reverse=True) and decoder.rows[-1] < decoder.rows[0]
+    assert_same_hypotheses(hypotheses, full_recompute_search(model, src, beam=4, lenpen=0.6, max_len_b=30))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -37,19 +138,27 @@ def test_beam_one_is_greedy(seed):
     model = tiny_model(seed)
     for tokens in SOURCES:
         src = torch.tensor([tokens + [EOS]])
-        assert beam_search(model, src, beam=1, max_len_b=12) == [greedy(model, src, 12)]
+        assert [h.tokens for h in beam_search(model, src, beam=1, max_len_b=12)] == [greedy(model, src, 12)]
 
 
 def test_batched_equals_one_sentence_at_a_time():
-    model = tiny_model(3)
-    (src, _), _ = collate([(torch.tensor(s), torch.tensor([4])) for s in SOURCES])
-    batched = beam_search(model, src, beam=4, lenpen=0.6, max_len_b=12)
+    model = trained_looking("pre_ln", seed=3)
+    batched = beam_search(model, batch_of(SOURCES), beam=4, lenpen=0.6, max_len_b=12)
     single = [beam_search(model, torch.tensor([s + [EOS]]), beam=4, lenpen=0.6, max_len_b=12)[0] for s in SOURCES]
-    assert batched == single
+    assert_same_hypotheses(batched, single)
+
+
+def test_bf16_model_decodes_like_fp32():
+    """bf16 weights decode on the same path (log-probabilities in fp32); on a small model the hypotheses
+    agree with fp32's for most sentences (bf16 rounding may flip a near tie)."""
+    model, src = trained_looking("pre_ln", seed=5), batch_of(SOURCES)
+    fp32 = beam_search(model, src, beam=4, lenpen=0.6, max_len_b=12)
+    bf16 = beam_search(model.to(torch.bfloat16), src, beam=4, lenpen=0.6, max_len_b=12)
+    assert sum(a.tokens == b.tokens for a, b in zip(fp32, bf16, strict=True)) >= len(SOURCES) - 2
 
 
 def test_memorized_pairs_are_reproduced_exactly():
-    pairs = [(s, [t + 1 for t in reversed(s)]) for s in SOURCES]
+    pairs = [(s, [t + 1 for t in reversed(s)]) for s in SOURCES[:5]]
     model = tiny_model(4).train()
     (src, prev), target = collate([(torch.tensor(s), torch.tensor(t)) for s, t in pairs])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -60,4 +169,4 @@ def test_memorized_pairs_are_reproduced_exactly():
         optimizer.step()
     assert loss.item() < 0.01
     for beam in (1, 4):
-        assert beam_search(model, src, beam=beam, lenpen=0.6) == [t for _, t in pairs]
+        assert [h.tokens for h in beam_search(model, src, beam=beam, lenpen=0.6)] == [t for _, t in pairs]

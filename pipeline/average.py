@@ -1,0 +1,280 @@
+"""Average the weights of several pipeline checkpoints of one run into a new checkpoint tag (what
+fairseq's scripts/average_checkpoints.py does for its checkpoints).
+
+    python scripts/average_checkpoints.py --checkpoint SAVE_DIR --last K [--out-tag TAG] [--force]
+    python scripts/average_checkpoints.py --checkpoint SAVE_DIR --tags TAG TAG [TAG ...] [--out-tag TAG] [--force]
+
+--last K takes the K newest committed global_stepN checkpoints by N (committed: the tag has
+fathom_manifest.json, or, in a run from before manifests, its step is not past `latest`'s);
+uncommitted leftovers of crashed saves and best_global_step* are never picked. --tags takes the
+named tags (best and best_global_stepN too). Each tensor of each layer file (layer_XX-model_states.pt)
+becomes the arithmetic mean over the checkpoints, accumulated in float64 and stored in the tensor's
+own dtype; tensors that are not floating point (none in fathom's layers) are taken from the newest.
+Layer files are read one at a time, from each checkpoint in turn: memory holds one layer's running
+sum (float64) and one layer file, never a whole model, let alone K of them.
+
+The new tag SAVE_DIR/TAG (default avg_lastK for --last; for --tags avg_ and the tags' names without
+`global_step`, oldest first: --tags global_step2000 global_step1800 writes avg_1800_2000) holds the
+averaged layer files, an mp_rank_00_model_states.pt that holds nothing but `global_steps`, and
+fathom_average.json (what was averaged). scripts/generate.py and scripts/convert_to_fairseq.py read
+it like any other tag (--tag TAG). Its step is the NEWEST averaged checkpoint's, so values computed
+from the step (BranchNorm's alpha_t) are the ones the newest of the averaged weights were trained
+with; no step matches a mean of weights exactly, and the newest is where the run ended up. It has no
+optimizer, scheduler or data-loader state (those stay in the source tags): it is for translating and
+exporting, not for resuming, and `latest` and `best` are left where they are.
+
+The tag is written to a hidden directory inside SAVE_DIR and renamed into place when complete; an
+error leaves nothing behind. An existing TAG is refused unless --force, which replaces only an
+earlier average; names fathom keeps for training (global_step*, best, best_global_step*, latest)
+are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ConfigError, ModelConfig, exit_on_config_error
+from pipeline.checkpoint import (
+    CONFIG_FILE,
+    LATEST,
+    fsync_dir,
+    global_step,
+    latest_tag,
+    layer_file,
+    load_file,
+    missing_layer_files,
+    model_config,
+)
+from pipeline.commit import BEST, damage, read_manifest
+from pipeline.layers import layer_specs
+from pipeline.staging import staged
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+SUMMARY = "fathom_average.json"
+STEP_TAG = re.compile(r"global_step(\d+)")
+ONE_RUN = "average checkpoints of one run"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
+    parser.add_argument("--last", type=int, default=None, metavar="K", help="average the K newest checkpoints")
+    parser.add_argument("--tags", nargs="+", default=None, metavar="TAG", help="average these checkpoint tags")
+    parser.add_argument(
+        "--out-tag",
+        default=None,
+        help="tag to write inside SAVE_DIR (default: avg_lastK for --last; for --tags avg_ and the tags' "
+        "names without 'global_step', oldest first, e.g. avg_1800_2000)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing output tag")
+    return parser.parse_args(argv)
+
+
+def plain_name(tag: str) -> bool:
+    """Whether `tag` names a visible folder directly inside SAVE_DIR."""
+    return bool(tag) and Path(tag).name == tag and not tag.startswith(".")
+
+
+def latest_step(save_dir: Path) -> int:
+    """The step of the tag `latest` names; -1 without one."""
+    match = STEP_TAG.fullmatch(latest_tag(save_dir) or "")
+    return int(match[1]) if match else -1
+
+
+def committed(checkpoint: Path, latest: int) -> bool:
+    """Whether a global_stepN tag is a finished save: it has a manifest, or (runs from before
+    manifests) its step is not past `latest`'s. pipeline/commit.py deletes the others on --resume."""
+    match = STEP_TAG.fullmatch(checkpoint.name)
+    return match is None or read_manifest(checkpoint) is not None or int(match[1]) <= latest
+
+
+def committed_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """(N, directory) of the committed global_stepN checkpoints, by N."""
+    latest = latest_step(save_dir)
+    return sorted(
+        (int(match[1]), path)
+        for path in save_dir.iterdir()
+        if (match := STEP_TAG.fullmatch(path.name)) and path.is_dir() and not path.is_symlink()
+        if committed(path, latest)
+    )
+
+
+def last_checkpoints(save_dir: Path, k: int) -> list[Path]:
+    """The k newest committed global_stepN checkpoints by N."""
+    if k < 2:
+        raise ConfigError(f"--last {k}: averaging needs at least 2 checkpoints; pass --last 2 or more")
+    found = committed_checkpoints(save_dir)
+    if len(found) < k:
+        have = ", ".join(path.name for _, path in found) or "none"
+        raise ConfigError(
+            f"--last {k}: {save_dir} has {len(found)} committed checkpoints ({have}); "
+            + (f"pass --last {len(found)} or fewer" if len(found) >= 2 else "train until it has saved at least 2")
+        )
+    return [path for _, path in found[-k:]]
+
+
+def named_checkpoints(save_dir: Path, tags: list[str]) -> list[Path]:
+    """The checkpoint directories the tags name, each once."""
+    seen: dict[Path, str] = {}
+    latest = latest_step(save_dir)
+    for tag in tags:
+        if not plain_name(tag):
+            raise ConfigError(f"--tags: '{tag}' is not a tag; pass folder names inside {save_dir}, e.g. global_step2")
+        path = save_dir / tag
+        if not path.is_dir():
+            newest = ", ".join(p.name for _, p in committed_checkpoints(save_dir)[-3:]) or "none"
+            raise ConfigError(
+                f"--tags: {save_dir} has no checkpoint tagged '{tag}'; pass tags it has (newest: {newest})"
+            )
+        if not committed(path, latest):
+            raise ConfigError(f"--tags: {path} is a save that did not finish; pick committed checkpoints")
+        if (real := path.resolve()) in seen:
+            raise ConfigError(
+                f"--tags: '{seen[real]}' and '{tag}' are the same checkpoint; name each checkpoint once, "
+                "at least 2 different ones"
+            )
+        seen[real] = tag
+    if len(seen) < 2:
+        raise ConfigError(f"--tags: averaging needs at least 2 checkpoints, got {len(seen)}; name 2 or more")
+    return [save_dir / tag for tag in seen.values()]
+
+
+def default_out_tag(checkpoints: list[Path], last: int | None) -> str:
+    if last is not None:
+        return f"avg_last{last}"
+    return "avg_" + "_".join(path.name.replace("global_step", "") for path in checkpoints)
+
+
+def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool) -> None:
+    """Fails unless `tag` is a new (or, with force, an earlier averaged) tag that no reader takes for
+    something else: a training checkpoint, `latest`, `best`."""
+    if not plain_name(tag):
+        raise ConfigError(f"--out-tag: '{tag}' is not a folder name; pass a plain name such as avg_last5")
+    if tag in (LATEST, BEST, CONFIG_FILE) or tag.startswith(("global_step", f"{BEST}_global_step")):
+        raise ConfigError(
+            f"--out-tag: '{tag}' is a name fathom keeps for training checkpoints or their links; "
+            "choose another, such as avg_last5"
+        )
+    out = save_dir / tag
+    if any(out.resolve() == path.resolve() for path in checkpoints):
+        raise ConfigError(f"--out-tag: '{tag}' is one of the averaged checkpoints; choose another name")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"--out-tag: {out} exists and is not a checkpoint folder; choose another name")
+    if out.exists() and not (out / SUMMARY).exists():
+        raise ConfigError(f"--out-tag: {out} exists and was not written by this script; choose another name")
+    if out.exists() and not force:
+        raise ConfigError(f"--out-tag: {out} already exists; choose another --out-tag or pass --force to replace it")
+
+
+def layer_names(cfg: ModelConfig) -> list[str]:
+    """The layer files a checkpoint of this model has, in spec order."""
+    return [layer_file(Path(), index).name for index, (name, _) in enumerate(layer_specs(cfg)) if name is not None]
+
+
+def check_layer_files(cfg: ModelConfig, checkpoints: list[Path]) -> list[str]:
+    """The layer files to average; fails unless every checkpoint has exactly those, at their saved sizes."""
+    names = layer_names(cfg)
+    for checkpoint in checkpoints:
+        missing_layer_files(cfg, checkpoint)
+        if extra := sorted({path.name for path in checkpoint.glob("layer_*-model_states.pt")} - set(names)):
+            raise ConfigError(
+                f"{checkpoint}: has {extra[0]}, which the model in {checkpoint.parent / CONFIG_FILE} has no layer "
+                f"for; the checkpoint is from another model: {ONE_RUN}"
+            )
+        saved = (read_manifest(checkpoint) or {}).get("files", {})
+        for name in names:
+            if name in saved and (problem := damage(checkpoint / name, saved[name], read=False)):
+                raise ConfigError(f"{problem.split(';')[0]}; restore the file, or average other checkpoints")
+    return names
+
+
+def describe(value: Any) -> str:
+    return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}" if torch.is_tensor(value) else "no tensor"
+
+
+def average_layer(paths: list[Path]) -> dict[str, Any]:
+    """The mean of one layer file over checkpoints (the newest last), reading one file at a time;
+    fails unless every file has the same tensor names, shapes and dtypes."""
+    state = load_file(paths[0])
+    kinds = {key: describe(value) for key, value in state.items()}
+    sums = {key: value.double() for key, value in state.items() if torch.is_floating_point(value)}
+    for path in paths[1:]:
+        state = load_file(path)
+        if odd := sorted(state.keys() ^ kinds.keys()):
+            raise ConfigError(
+                f"{path}: '{odd[0]}' is in {'this file' if odd[0] in state else paths[0]} only; the checkpoints "
+                f"are from different models: {ONE_RUN}"
+            )
+        for key, value in state.items():
+            if describe(value) != kinds[key]:
+                raise ConfigError(
+                    f"{path}: '{key}' is {describe(value)} but {kinds[key]} in {paths[0]}; the checkpoints are "
+                    f"from different models: {ONE_RUN}"
+                )
+            if key in sums:
+                sums[key] += value.double()
+    # what is not floating point (no fathom layer has any) is the newest checkpoint's
+    return {key: (sums[key] / len(paths)).to(value.dtype) if key in sums else value for key, value in state.items()}
+
+
+def save_synced(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def by_step(checkpoints: list[Path]) -> list[tuple[int, Path]]:
+    """(step, checkpoint), oldest first."""
+    return sorted((global_step(checkpoint), checkpoint) for checkpoint in checkpoints)
+
+
+def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str], out_tag: str) -> dict[str, Any]:
+    """Writes the mean of the layer files `names` of `checkpoints` (by_step's) to SAVE_DIR/out_tag, at
+    the newest checkpoint's step; returns the summary."""
+    summary = {
+        "averaged": [checkpoint.name for _, checkpoint in checkpoints],
+        "steps": [step for step, _ in checkpoints],
+        "global_steps": checkpoints[-1][0],
+        "layer_files": len(names),
+        "note": "weights: the mean of the averaged checkpoints'; global_steps: the newest one's",
+    }
+    with staged(save_dir / out_tag) as staging:
+        for name in names:
+            save_synced(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
+        save_synced({"global_steps": summary["global_steps"]}, staging / MODEL_STATES)
+        (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        fsync_dir(staging)
+    fsync_dir(save_dir)
+    return summary
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Checks everything, then averages; returns (output tag, summary)."""
+    if (args.last is None) == (args.tags is None):
+        raise ConfigError("pass exactly one of --last K (the K newest checkpoints) and --tags TAG TAG ...")
+    save_dir = Path(args.checkpoint)
+    cfg = model_config(save_dir)
+    chosen = named_checkpoints(save_dir, args.tags) if args.last is None else last_checkpoints(save_dir, args.last)
+    checkpoints = by_step(chosen)
+    out_tag = args.out_tag or default_out_tag([path for _, path in checkpoints], args.last)
+    check_out_tag(save_dir, out_tag, chosen, args.force)
+    names = check_layer_files(cfg, chosen)
+    return out_tag, average(save_dir, checkpoints, names, out_tag)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        out_tag, summary = run(args)
+    print(
+        f"wrote {Path(args.checkpoint) / out_tag}: the mean of {', '.join(summary['averaged'])} "
+        f"({summary['layer_files']} layer files) at step {summary['global_steps']}, the newest; "
+        f"read it with --tag {out_tag}"
+    )

@@ -104,3 +104,17 @@ def module_names(cfg: ModelConfig) -> list[str]:
         + (["decoder.layer_norm"] if final_norm else [])
         + ["decoder.output_projection"]
     )
+
+
+def saved_names(cfg: ModelConfig) -> list[str | None]:
+    """module_names(cfg), with None for every later use of a table shared with an earlier name: a
+    pipeline checkpoint has one file per name (DeepSpeed saves a tied layer under its first use)."""
+    with torch.device("meta"):  # shapes and sharing only, no memory
+        model = Transformer(cfg)
+    seen: set[int] = set()
+    names: list[str | None] = []
+    for name in module_names(cfg):
+        module = model.get_submodule(name)
+        names.append(None if id(module) in seen else name)
+        seen.add(id(module))
+    return names

@@ -1,8 +1,9 @@
 """Reading DeepSpeed pipeline checkpoints back into the single-process Transformer.
 
 A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in
-the spec list (layer_07-..., layer_123-...; parameter-free and tied re-uses have none). The
-spec list says which module of the reference model each file belongs to.
+the spec list (layer_07-..., layer_123-...; tied re-uses have none); model.transformer.saved_names
+says which module of the reference model each file belongs to. Reading weights needs no DeepSpeed
+(translation and export run without it); only DeepSpeed's own state files name its classes.
 """
 
 from __future__ import annotations
@@ -15,22 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-from deepspeed.runtime.zero.config import ZeroStageEnum
-from deepspeed.utils.tensor_fragment import fragment_address
 
 from model.config import ConfigError, ModelConfig
-from model.transformer import Transformer
-from pipeline.corpus import BinarizedCorpus
+from model.transformer import Transformer, saved_names
+from pipeline.corpus import PreparedData
 from pipeline.hooks import ScheduleHook
-from pipeline.layers import layer_specs
 
 CONFIG_FILE = "config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
-# The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
-# torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
-# fp16 runs (GPU only) save DynamicLossScaler where the others save LossScaler.
-DEEPSPEED_STATE_TYPES = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/commit.py)
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
 DICTIONARIES_FILE = "dictionaries.json"
@@ -62,17 +56,28 @@ def write_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def dictionary_digests(corpus: BinarizedCorpus, data: str | Path) -> dict[str, str]:
+def deepspeed_state_types() -> list[type]:
+    """The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
+    fp16 runs (GPU only) save DynamicLossScaler where the others save LossScaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def dictionary_digests(corpus: PreparedData, data: str | Path) -> dict[str, str]:
     names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
     return {name: hashlib.sha256((Path(data) / name).read_bytes()).hexdigest() for name in sorted(names)}
 
 
-def write_dictionaries(save_dir: str | Path, corpus: BinarizedCorpus, data: str | Path) -> None:
+def write_dictionaries(save_dir: str | Path, corpus: PreparedData, data: str | Path) -> None:
     text = json.dumps({"data": str(data), "sha256": dictionary_digests(corpus, data)}, indent=2)
     write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
 
 
-def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: BinarizedCorpus, data: str | Path) -> None:
+def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, data: str | Path) -> None:
     """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
     (by content where the run recorded them, by size for older runs)."""
     fix = "use the run's data directory"
@@ -134,9 +139,14 @@ def layer_file(checkpoint: Path, index: int) -> Path:
     return checkpoint / f"layer_{index:02d}-model_states.pt"
 
 
+def saved_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """(pipeline layer index, reference module name) of every layer file a checkpoint of this model has."""
+    return [(index, name) for index, name in enumerate(saved_names(cfg)) if name is not None]
+
+
 def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
     """Fails on a checkpoint without a file for every layer that has parameters."""
-    names = [layer_file(checkpoint, i).name for i, (name, _) in enumerate(layer_specs(cfg)) if name is not None]
+    names = [layer_file(checkpoint, index).name for index, _ in saved_layers(cfg)]
     if missing := [name for name in names if not (checkpoint / name).exists()]:
         raise ConfigError(
             f"{checkpoint}: {len(missing)} of {len(names)} layer files missing (first {missing[0]}); "
@@ -145,12 +155,18 @@ def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
 
 
 def global_step(checkpoint: Path) -> int:
-    """The optimizer steps a checkpoint had taken (DeepSpeed keeps them in the model-states file;
-    weights converted from fairseq have none: step 0)."""
+    """The optimizer steps a checkpoint had taken: from fathom's manifest, else from DeepSpeed's
+    model-states file (weights converted from fairseq have neither: step 0)."""
+    if (checkpoint / MANIFEST).exists():
+        return int(json.loads((checkpoint / MANIFEST).read_text())["step"])
     path = checkpoint / "mp_rank_00_model_states.pt"
     if not path.exists():
         return 0
-    return int(load_file(path, allowed=DEEPSPEED_STATE_TYPES)["global_steps"])
+    try:
+        states = load_file(path)
+    except ConfigError:  # it names DeepSpeed's classes (ZeRO 0's optimizer state, fp16's loss scaler)
+        states = load_file(path, allowed=deepspeed_state_types())
+    return int(states["global_steps"])
 
 
 # What must agree for one model's weights to load into another.
@@ -193,9 +209,7 @@ def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
     cfg = model_config(save_dir)
     checkpoint = checkpoint_dir(save_dir, tag)
     model = Transformer(cfg)
-    for index, (name, _) in enumerate(layer_specs(cfg)):
-        if name is None:
-            continue
+    for index, name in saved_layers(cfg):
         state = load_file(layer_file(checkpoint, index))
         model.get_submodule(name).load_state_dict(state)
     ScheduleHook(model)(global_step(checkpoint))

@@ -31,10 +31,11 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from model.config import ConfigError
 from pipeline.checkpoint import (
     CONFIG_FILE,
-    DEEPSPEED_STATE_TYPES,
     LATEST,
+    MANIFEST,
     check_same_model,
     check_vocab,
+    deepspeed_state_types,
     fsync_dir,
     latest_tag,
     load_file,
@@ -46,7 +47,6 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus
 from pipeline.world import end_distributed
 
-MANIFEST = "fathom_manifest.json"
 BEST = "best"
 
 
@@ -66,7 +66,7 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
         self.written[Path(path).name] = {"bytes": os.path.getsize(path), "zip": zipfile.is_zipfile(path)}
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        return load_file(path, map_location, allowed=DEEPSPEED_STATE_TYPES)
+        return load_file(path, map_location, allowed=deepspeed_state_types())
 
 
 def install(engine: deepspeed.DeepSpeedEngine) -> None:

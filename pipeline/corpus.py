@@ -110,21 +110,30 @@ def sentencepiece_model(data: str | Path, lang: str) -> Path:
     raise ConfigError(f"{data}: no SentencePiece model (spm.model or spm.{lang}.model); run scripts/prepare_data.py")
 
 
-class BinarizedCorpus:
-    """One split of a prepared data directory, as a ParallelCorpus."""
+class PreparedData:
+    """A prepared data directory's languages and dictionaries: what translating raw text needs."""
 
-    def __init__(self, path: str | Path, split: str):
+    def __init__(self, path: str | Path):
         path = Path(path)
         meta_file = path / "meta.json"
         if not meta_file.exists():
             raise ConfigError(f"{path}: not a prepared data directory (no meta.json); run scripts/prepare_data.py")
+        self.path = path
         self.meta = json.loads(meta_file.read_text())
-        if split not in self.meta["splits"]:
-            raise ConfigError(f"{path}: no split '{split}'; it has {', '.join(self.meta['splits'])}")
         self.src, self.tgt = self.meta["src"], self.meta["tgt"]
         self.src_dict = Dictionary.load(path / f"dict.{self.src}.txt")
         self.tgt_dict = Dictionary.load(path / f"dict.{self.tgt}.txt")
         self.src_vocab_size, self.tgt_vocab_size = len(self.src_dict), len(self.tgt_dict)
+
+
+class BinarizedCorpus(PreparedData):
+    """One split of a prepared data directory, as a ParallelCorpus."""
+
+    def __init__(self, path: str | Path, split: str):
+        super().__init__(path)
+        path = Path(path)
+        if split not in self.meta["splits"]:
+            raise ConfigError(f"{path}: no split '{split}'; it has {', '.join(self.meta['splits'])}")
         self.sources = IndexedDataset(path / f"{split}.{self.src}", self.meta["dtype"])
         self.targets = IndexedDataset(path / f"{split}.{self.tgt}", self.meta["dtype"])
         for lang, sentences, size in (

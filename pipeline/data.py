@@ -72,11 +72,17 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
 
 
+def with_eos(sentences: list[torch.Tensor]) -> torch.Tensor:
+    """Sentences of token ids (without eos) as one right-padded batch, each ending in eos."""
+    eos = torch.tensor([EOS])
+    return _pad([torch.cat([s, eos]) for s in sentences])
+
+
 def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MicroBatch:
     """fairseq's layout: source and target end in eos; the decoder input is eos + target[:-1]."""
     eos = torch.tensor([EOS])
-    src = _pad([torch.cat([s, eos]) for s, _ in pairs])
-    target = _pad([torch.cat([t, eos]) for _, t in pairs])
+    src = with_eos([s for s, _ in pairs])
+    target = with_eos([t for _, t in pairs])
     prev_output_tokens = _pad([torch.cat([eos, t]) for _, t in pairs])
     return (src, prev_output_tokens), target
 

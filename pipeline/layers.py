@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.norms import build_scheme
-from model.transformer import learned_positions, module_names
+from model.transformer import learned_positions, saved_names
 
 Activations = tuple[Tensor, ...]
 
@@ -134,8 +134,4 @@ def layer_specs(cfg: ModelConfig) -> list[tuple[str | None, LayerSpec]]:
         output,
     ]
     # named as the single-process model's modules, in the same forward order
-    return [(_saved_as(name, spec), spec) for name, spec in zip(module_names(cfg), specs, strict=True)]
-
-
-def _saved_as(name: str, spec: LayerSpec) -> str | None:
-    return None if getattr(spec, "forward_fn", None) else name
+    return list(zip(saved_names(cfg), specs, strict=True))

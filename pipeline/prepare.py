@@ -16,6 +16,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import sentencepiece as spm
@@ -49,19 +50,25 @@ def find_file(prefix: str, lang: str) -> Path:
     raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz)")
 
 
-def read_lines(path: Path) -> list[str]:
-    """Lines as UTF-8 text; a byte sequence that is not UTF-8 is an error naming file and line."""
-    opener = gzip.open if path.suffix == ".gz" else open
+def decode_lines(f: BinaryIO, name: str | Path) -> list[str]:
+    """Lines of a binary stream as UTF-8 text, split on newlines only (str.splitlines would also split on
+    U+2028, form feeds, ..., and misalign the sides); bytes that are not UTF-8 are an error naming the line."""
     lines = []
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                lines.append(raw.decode("utf-8").rstrip("\r\n"))
-            except UnicodeDecodeError as err:
-                raise ConfigError(
-                    f"{path}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode the file as UTF-8"
-                ) from None
+    for lineno, raw in enumerate(f, 1):
+        try:
+            lines.append(raw.decode("utf-8").rstrip("\r\n"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{name}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode the file as UTF-8"
+            ) from None
     return lines
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines of a plain or gzipped UTF-8 file (decode_lines)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return decode_lines(f, path)
 
 
 @dataclass

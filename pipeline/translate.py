@@ -1,17 +1,18 @@
-"""Translate a prepared split with a pipeline checkpoint and score it with sacreBLEU.
+"""Translate raw text with a trained run: SentencePiece in, beam search, SentencePiece out.
 
-    python scripts/generate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --subset test \\
-        [--beam 4] [--lenpen 0.6] [--batch-size 64] [--output FILE]
+    python scripts/translate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR [--input FILE] [--output FILE] \\
+        [--beam 4] [--lenpen 0.6] [--max-len-a 0] [--max-len-b 200] [--batch-size 64] [--reference FILE]
 
-The checkpoint (any depth, any stage count) loads into the single-process model; hypotheses are
-detokenized with the data's SentencePiece model and scored against the split's raw references
-(cased, detokenized, sacreBLEU's default 13a tokenizer). The last line printed is the signature.
+One sentence a line, from --input or stdin, to --output or stdout, in input order. The checkpoint
+(any depth, any stage count) loads into the single-process model on the GPU if there is one
+(--device, --precision); sentences are batched by length. An empty line gives an empty line; a
+line longer than the model's positions is cut to fit, with one warning line naming it. With
+--reference, sacreBLEU's BLEU and chrF and the signature follow on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -21,55 +22,159 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
-from model.config import exit_on_config_error
-from model.search import beam_search
-from pipeline.checkpoint import check_vocab, load_reference
-from pipeline.corpus import BinarizedCorpus, sentencepiece_model
-from pipeline.data import collate
+from model.config import ConfigError, exit_on_config_error
+from model.search import Hypothesis, beam_search
+from model.transformer import Transformer
+from pipeline.checkpoint import check_vocab, load_reference, write_atomic
+from pipeline.corpus import PreparedData, sentencepiece_model
+from pipeline.data import with_eos
+from pipeline.prepare import decode_lines, read_lines
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The options that choose a checkpoint, its data directory, the device and the search."""
+    parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
+    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
+    parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--lenpen", type=float, default=1.0, help="fairseq's length penalty (scores / len**lenpen)")
+    parser.add_argument("--max-len-a", type=float, default=0.0, help="output length limit: a x source length + b")
+    parser.add_argument("--max-len-b", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if there is one)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="of the weights (log-probs in fp32)")
+
+
+def check_search_args(args: argparse.Namespace) -> None:
+    for option, value in (("--beam", args.beam), ("--batch-size", args.batch_size), ("--max-len-b", args.max_len_b)):
+        if value < 1:
+            raise ConfigError(f"{option}: must be at least 1, got {value}")
+    if args.max_len_a < 0:
+        raise ConfigError(f"--max-len-a: must not be negative, got {args.max_len_a}")
+
+
+def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:
+    """Where and in what precision to decode; fails in one line where the device cannot."""
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device here; use --device cpu")
+    if where.type == "cpu" and precision == "fp16":
+        raise ConfigError("--precision fp16: needs a GPU; on CPU use bf16 (where the CPU has avx512_bf16) or fp32")
+    if where.type == "cpu" and precision == "bf16" and not torch.cpu._is_avx512_bf16_supported():
+        print("fathom: warning: this CPU has no avx512_bf16: bf16 runs emulated, far slower than fp32", file=sys.stderr)
+    return where, PRECISIONS[precision]
+
+
+class Translator:
+    """A run's model on a device, with the dictionaries and SentencePiece models of its data."""
+
+    def __init__(self, args: argparse.Namespace):
+        check_search_args(args)
+        device, dtype = device_and_dtype(args.device, args.precision)
+        self.data = PreparedData(args.data)
+        self.model: Transformer = load_reference(args.checkpoint, args.tag).to(device, dtype)
+        check_vocab(args.checkpoint, self.model.cfg, self.data, args.data)
+        self.args = args
+        self.tokenizer, self.detokenizer = (
+            spm.SentencePieceProcessor(model_file=str(sentencepiece_model(args.data, lang)))
+            for lang in (self.data.src, self.data.tgt)
+        )
+
+    def search(self, sources: list[torch.Tensor], progress: str | None = None) -> list[Hypothesis]:
+        """Best hypothesis per source (token ids without eos), batched by length, in input order."""
+        args = self.args
+        order = np.argsort([len(s) for s in sources], kind="stable")
+        batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+        hypotheses: list[Hypothesis | None] = [None] * len(sources)
+        for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
+            src = with_eos([sources[i] for i in batch])
+            found = beam_search(self.model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
+            for index, hypothesis in zip(batch, found, strict=True):
+                hypotheses[index] = hypothesis
+        return hypotheses
+
+    def detokenize(self, hypothesis: Hypothesis) -> str:
+        return self.detokenizer.decode_pieces(self.data.tgt_dict.decode(hypothesis.tokens))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
-    parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
-    parser.add_argument("--data", required=True, help="directory written by scripts/prepare_data.py")
-    parser.add_argument("--subset", default="test")
-    parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--lenpen", type=float, default=1.0, help="fairseq's length penalty (scores / len**lenpen)")
-    parser.add_argument("--max-len-a", type=float, default=0.0)
-    parser.add_argument("--max-len-b", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
-    parser.add_argument("--output", default=None, help="hypotheses file (default: SAVE_DIR/generate-SUBSET.txt)")
+    add_model_args(parser)
+    parser.add_argument("--input", default=None, help="one sentence a line (default: stdin)")
+    parser.add_argument("--output", default=None, help="translations, one a line (default: stdout)")
+    parser.add_argument("--reference", default=None, help="reference translations: print BLEU and chrF on stderr")
     return parser.parse_args(argv)
 
 
-def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    data = Path(args.data)
-    corpus = BinarizedCorpus(data, args.subset)
-    model = load_reference(args.checkpoint, args.tag)
-    check_vocab(args.checkpoint, model.cfg, corpus, data)
-    detok = spm.SentencePieceProcessor(model_file=str(sentencepiece_model(data, corpus.tgt)))
-    order = np.argsort(corpus.sources.lengths, kind="stable")  # similar lengths batch together
-    hypotheses: list[str] = [""] * len(corpus)
-    batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
-    for batch in tqdm(batches, desc=f"translating {args.subset}", unit="batch", file=sys.stderr):
-        (src, _), _ = collate([corpus.pair(int(i)) for i in batch])
-        outputs = beam_search(model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
-        for index, hypothesis in zip(batch, outputs, strict=True):
-            hypotheses[int(index)] = detok.decode_pieces(corpus.tgt_dict.decode(hypothesis.tokens))
-    references = (data / f"{args.subset}.raw.{corpus.tgt}").read_text(encoding="utf-8").splitlines()
-    return hypotheses, references
+def read_input(path: str | None) -> list[str]:
+    if path is None:
+        lines = decode_lines(sys.stdin.buffer, "stdin")
+    elif not Path(path).is_file():
+        raise ConfigError(f"--input {path}: no such file")
+    else:
+        lines = read_lines(Path(path))
+    if not lines:
+        raise ConfigError(f"{path or 'stdin'}: no lines to translate; pass a file with one sentence a line")
+    return lines
+
+
+def encode(translator: Translator, lines: list[str]) -> list[torch.Tensor]:
+    """Source token ids of each line; a line over the model's positions is cut to fit."""
+    room = translator.model.cfg.max_positions - 1  # and the eos
+    sources = []
+    for lineno, pieces in enumerate(translator.tokenizer.encode(lines, out_type=str), 1):
+        if len(pieces) > room:
+            print(
+                f"fathom: warning: line {lineno}: {len(pieces)} pieces, cut to the model's {room} "
+                f"(model.max_positions {room + 1})",
+                file=sys.stderr,
+            )
+            pieces = pieces[:room]
+        sources.append(torch.tensor(translator.data.src_dict.encode(pieces), dtype=torch.long))
+    return sources
+
+
+def translate_lines(translator: Translator, lines: list[str], progress: str | None) -> list[str]:
+    """Translations of lines in input order; an empty line stays empty and is not decoded."""
+    sources = encode(translator, lines)
+    todo = [i for i, line in enumerate(lines) if line.strip()]
+    found = translator.search([sources[i] for i in todo], progress) if todo else []
+    translations = [""] * len(lines)
+    for i, hypothesis in zip(todo, found, strict=True):
+        translations[i] = translator.detokenize(hypothesis)
+    return translations
+
+
+def read_references(path: str, count: int) -> list[str]:
+    if not Path(path).is_file():
+        raise ConfigError(f"--reference {path}: no such file")
+    references = read_lines(Path(path))
+    if len(references) != count:
+        raise ConfigError(f"--reference {path}: {len(references)} lines for {count} input lines; pass the aligned file")
+    return references
+
+
+def print_scores(hypotheses: list[str], references: list[str]) -> None:
+    """sacreBLEU's BLEU and chrF (cased, detokenized, 13a) on stderr, the signature last."""
+    bleu, chrf = BLEU(), CHRF()
+    for line in (bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])):
+        print(line, file=sys.stderr)
+    print(bleu.get_signature(), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
     with exit_on_config_error():
-        hypotheses, references = translate(args)
-    output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
-    output.write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
-    bleu, chrf = BLEU(), CHRF()
-    print(f"wrote {len(hypotheses)} hypotheses to {output}")
-    print(bleu.corpus_score(hypotheses, [references]))
-    print(chrf.corpus_score(hypotheses, [references]))
-    print(bleu.get_signature())
+        lines = read_input(args.input)
+        references = read_references(args.reference, len(lines)) if args.reference else None
+        translator = Translator(args)
+        translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")
+    text = "".join(line + "\n" for line in translations)
+    if args.output:
+        write_atomic(Path(args.output), text)
+    else:
+        sys.stdout.write(text)
+    if references is not None:
+        print_scores(translations, references)

@@ -1,6 +1,6 @@
-"""Translate and score with sacreBLEU: see pipeline/translate.py or --help."""
+"""Translate a prepared split and score it with sacreBLEU: see pipeline/generate.py or --help."""
 
-from pipeline.translate import main
+from pipeline.generate import main
 
 if __name__ == "__main__":
     main()

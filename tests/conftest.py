@@ -99,3 +99,22 @@ def assert_same_training(expected: Path, actual: Path) -> None:
         assert got[name].keys() == tensors.keys(), name
         for key, tensor in tensors.items():
             assert torch.equal(got[name][key], tensor), f"{name} {key}"
+
+
+def write_run(model, save_dir: Path, step: int = 1) -> Path:
+    """A run directory holding `model` as a pipeline checkpoint (global_step{step}, `latest`), as training
+    writes it but without DeepSpeed: for tests of what reads checkpoints."""
+    import json
+
+    import torch
+
+    from pipeline.checkpoint import layer_file, saved_layers
+
+    checkpoint = save_dir / f"global_step{step}"
+    checkpoint.mkdir(parents=True)
+    for index, name in saved_layers(model.cfg):
+        torch.save(model.get_submodule(name).state_dict(), layer_file(checkpoint, index))
+    torch.save({"global_steps": step}, checkpoint / "mp_rank_00_model_states.pt")
+    (save_dir / "latest").write_text(checkpoint.name)
+    (save_dir / "config.json").write_text(json.dumps({"model": model.cfg.__dict__}))
+    return save_dir

@@ -12,10 +12,10 @@ import torch
 
 from model.config import ConfigError
 from pipeline import commit
-from pipeline.checkpoint import load_file
+from pipeline.checkpoint import deepspeed_state_types, load_file
 from pipeline.corpus import BinarizedCorpus
+from pipeline.generate import main as generate_main
 from pipeline.train import main
-from pipeline.translate import main as generate_main
 from tests.conftest import ROOT, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -172,7 +172,7 @@ def test_fp16_optimizer_state_loads_without_unpickling_code(tmp_path):
     scaler = DynamicLossScaler(2.0**16, 1000, 1, 2, False, True, torch.float16)
     scaler.cur_scale, scaler.last_overflow_iter = 2.0**15, 7  # as after an overflow at step 7
     torch.save({"loss_scaler": scaler, "dynamic_loss_scale": True}, tmp_path / "optim_states.pt")
-    loaded = load_file(tmp_path / "optim_states.pt", allowed=commit.DEEPSPEED_STATE_TYPES)["loss_scaler"]
+    loaded = load_file(tmp_path / "optim_states.pt", allowed=deepspeed_state_types())["loss_scaler"]
     assert vars(loaded) == vars(scaler)
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from model import SCHEMES
-from pipeline.translate import main as generate_main
+from pipeline.generate import main as generate_main
 from tests.conftest import ROOT
 
 

@@ -92,3 +92,16 @@ def test_balanced_bounds_match_deepspeeds_slowest_stage_and_take_milliseconds():
         theirs = partition_balanced(weights=costs, num_parts=parts)
         slowest = [max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)) for bounds in (ours, theirs)]
         assert slowest[0] <= slowest[1]
+
+
+@pytest.mark.parametrize("share", ["none", "decoder", "all"])
+def test_only_tied_reuses_have_no_checkpoint_file(share):
+    """A spec's name says which module its checkpoint file loads into; DeepSpeed saves a tied table under
+    its first use only, and those re-uses are the ones without a name."""
+    cfg = ModelConfig(
+        encoder_layers=2, decoder_layers=2, embed_dim=8, ffn_dim=16, attention_heads=2, src_vocab_size=16,
+        tgt_vocab_size=16, share_all_embeddings=share == "all", share_decoder_input_output_embed=share == "decoder",
+    )  # fmt: skip
+    specs = layer_specs(cfg)
+    assert [name is None for name, _ in specs] == [getattr(spec, "forward_fn", None) is not None for _, spec in specs]
+    assert sum(name is None for name, _ in specs) == {"none": 0, "decoder": 1, "all": 2}[share]

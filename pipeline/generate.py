@@ -1,0 +1,53 @@
+"""Translate a prepared split with a pipeline checkpoint and score it with sacreBLEU.
+
+    python scripts/generate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --subset test \\
+        [--beam 4] [--lenpen 0.6] [--batch-size 64] [--output FILE]
+
+The checkpoint (any depth, any stage count) loads into the single-process model; hypotheses are
+detokenized with the data's SentencePiece model and scored against the split's raw references
+(cased, detokenized, sacreBLEU's default 13a tokenizer). The last line printed is the signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from sacrebleu.metrics import BLEU, CHRF
+
+from model.config import exit_on_config_error
+from pipeline.checkpoint import write_atomic
+from pipeline.corpus import BinarizedCorpus
+from pipeline.prepare import read_lines
+from pipeline.translate import Translator, add_model_args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--subset", default="test")
+    parser.add_argument("--output", default=None, help="hypotheses file (default: SAVE_DIR/generate-SUBSET.txt)")
+    return parser.parse_args(argv)
+
+
+def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(hypotheses, references) of the split, in the split's order."""
+    corpus = BinarizedCorpus(args.data, args.subset)
+    translator = Translator(args)
+    sources = [corpus.sources[i] for i in range(len(corpus))]
+    found = translator.search(sources, progress=f"translating {args.subset}")
+    references = read_lines(Path(args.data) / f"{args.subset}.raw.{corpus.tgt}")
+    return [translator.detokenize(h) for h in found], references
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        hypotheses, references = translate(args)
+    output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
+    write_atomic(output, "".join(h + "\n" for h in hypotheses))
+    bleu, chrf = BLEU(), CHRF()
+    print(f"wrote {len(hypotheses)} hypotheses to {output}")
+    print(bleu.corpus_score(hypotheses, [references]))
+    print(chrf.corpus_score(hypotheses, [references]))
+    print(bleu.get_signature())

@@ -1,0 +1,131 @@
+"""scripts/translate.py: raw text in and out in input order, the same translations as generate.py on a
+prepared split, long lines cut with a warning, and every bad input one line with nothing written."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from pipeline.corpus import PreparedData
+from pipeline.generate import main as generate_main
+from pipeline.translate import main as translate_main
+from tests.conftest import ROOT, write_run
+
+SEARCH = ["--beam", "3", "--lenpen", "0.6", "--max-len-b", "6"]
+
+
+def untrained_run(data_dir, save_dir, **kw):
+    """An untrained 2L-2L model for the data's vocabulary, saved as a run."""
+    data = PreparedData(data_dir)
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        encoder_layers=2, decoder_layers=2, embed_dim=32, ffn_dim=64, attention_heads=4, dropout=0.0,
+        src_vocab_size=data.src_vocab_size, tgt_vocab_size=data.tgt_vocab_size, **kw,
+    )  # fmt: skip
+    return write_run(Transformer(cfg), save_dir)
+
+
+@pytest.fixture(scope="module")
+def run(multi30k_slice, tmp_path_factory):
+    return untrained_run(multi30k_slice, tmp_path_factory.mktemp("runs") / "run")
+
+
+def source_lines(multi30k_slice, count=7):
+    return (multi30k_slice / "test.raw.de").read_text(encoding="utf-8").split("\n")[:count]
+
+
+def translate(capsys, monkeypatch, run, data, stdin: bytes, *args):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    translate_main(["--checkpoint", str(run), "--data", str(data), *SEARCH, *args])
+    return capsys.readouterr()
+
+
+def test_translations_keep_input_order_and_empty_lines(capsys, monkeypatch, run, multi30k_slice):
+    lines = source_lines(multi30k_slice)
+    lines.insert(3, "")
+    stdin = "".join(line + "\n" for line in lines).encode()
+    batched = translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--batch-size", "3").out.split("\n")[:-1]
+    alone = translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--batch-size", "1").out.split("\n")[:-1]
+    assert batched == alone and len(batched) == len(lines)
+    assert batched[3] == "" and all(batched[i] for i in range(len(lines)) if i != 3)
+    # each line alone gives its own line's translation
+    first = translate(capsys, monkeypatch, run, multi30k_slice, (lines[5] + "\n").encode()).out
+    assert first == batched[5] + "\n"
+
+
+def test_translate_equals_generate_on_a_prepared_split(capsys, monkeypatch, run, multi30k_slice, tmp_path):
+    """Raw text through SentencePiece and the dictionary gives prepare_data's token ids: the same hypotheses
+    and the same scores as generate.py on the binarized split."""
+    generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *SEARCH]
+                  + ["--output", str(tmp_path / "generated.txt")])  # fmt: skip
+    generated = capsys.readouterr().out.splitlines()
+    args = ["--input", str(multi30k_slice / "test.raw.de"), "--output", str(tmp_path / "translated.txt")]
+    args += ["--reference", str(multi30k_slice / "test.raw.en")]
+    err = translate(capsys, monkeypatch, run, multi30k_slice, b"", *args).err.splitlines()
+    assert (tmp_path / "translated.txt").read_text() == (tmp_path / "generated.txt").read_text()
+    assert [line for line in err if line.startswith(("BLEU", "chrF2", "nrefs"))] == generated[1:]
+
+
+def test_a_line_too_long_for_the_model_is_cut_with_one_warning(capsys, monkeypatch, multi30k_slice, tmp_path):
+    run = untrained_run(multi30k_slice, tmp_path / "run", max_positions=24)
+    long = " ".join(source_lines(multi30k_slice, 4))  # far over 24 positions
+    result = translate(capsys, monkeypatch, run, multi30k_slice, f"Ein Hund.\n{long}\n".encode())
+    assert len(result.out.splitlines()) == 2
+    warnings = [line for line in result.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "line 2:" in warnings[0] and "cut to the model's 23" in warnings[0]
+
+
+def test_stdout_holds_only_translations(run, multi30k_slice):
+    """Through the script, as a user pipes it: nothing but one translation a line on stdout (no library
+    logging), and translating does not import DeepSpeed."""
+    stdin = "".join(line + "\n" for line in source_lines(multi30k_slice, 3))
+    code = "import runpy, sys; runpy.run_path('scripts/translate.py', run_name='__main__')"
+    code += "; assert 'deepspeed' not in sys.modules"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--checkpoint", str(run), "--data", str(multi30k_slice), *SEARCH],
+        cwd=ROOT, input=stdin, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 3 and "WARNING" not in result.stdout
+
+
+def refused(capsys, monkeypatch, run, data, stdin: bytes, *args) -> str:
+    with pytest.raises(SystemExit) as exc:
+        translate(capsys, monkeypatch, run, data, stdin, *args)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    "stdin, args, message",
+    [
+        (b"Ein Hund.\nein \xff Hund\n", [], "stdin:2: not valid UTF-8"),
+        (b"", [], "stdin: no lines to translate"),
+        (b"Ein Hund.\n", ["--beam", "0"], "--beam: must be at least 1, got 0"),
+        (b"Ein Hund.\n", ["--batch-size", "0"], "--batch-size: must be at least 1"),
+        (b"Ein Hund.\n", ["--tag", "global_step7"], "no checkpoint tagged 'global_step7'"),
+        (b"Ein Hund.\n", ["--input", "/nonexistent.de"], "--input /nonexistent.de: no such file"),
+        (b"Ein Hund.\nZwei Hunde.\n", ["--reference", "REF"], "1 lines for 2 input lines"),
+        (b"Ein Hund.\n", ["--precision", "fp16", "--device", "cpu"], "--precision fp16: needs a GPU"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(capsys, monkeypatch, run, multi30k_slice, tmp_path, stdin, args,
+                                                  message):  # fmt: skip
+    (tmp_path / "ref.en").write_text("A dog.\n")
+    args = [str(tmp_path / "ref.en") if a == "REF" else a for a in args]
+    err = refused(capsys, monkeypatch, run, multi30k_slice, stdin, *args, "--output", str(tmp_path / "out.en"))
+    assert message in err
+    assert not (tmp_path / "out.en").exists()
+
+
+def test_a_data_directory_of_another_vocabulary_is_refused(capsys, monkeypatch, multi30k_slice, tmp_path):
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=8, ffn_dim=16, attention_heads=2,
+                      src_vocab_size=40, tgt_vocab_size=40)  # fmt: skip
+    other = write_run(Transformer(cfg), tmp_path / "other")
+    err = refused(capsys, monkeypatch, other, multi30k_slice, b"Ein Hund.\n")
+    assert "the model was trained with 40/40" in err

@@ -132,18 +132,14 @@ def search(
     ]
 
 
-class ModelDecoder:
-    """Decoding steps of the single-process Transformer, from the encoder output and a decoder cache."""
+class CachedRows:
+    """What a StepDecoder keeps per row, moved as the search reorders rows: the decoder layers' cache, the
+    source tokens (their padding mask) and the encoder output, each sentence's repeated for its beams."""
 
-    def __init__(self, model: Transformer, src_tokens: torch.Tensor, beam: int):
-        self.model = model
+    def __init__(self, cache: DecoderCache, src_tokens: torch.Tensor, encoder_out: torch.Tensor, beam: int):
+        self.cache = cache
         self.src_tokens = src_tokens.repeat_interleave(beam, dim=0)
-        self.encoder_out = model.encoder(src_tokens).repeat_interleave(beam, dim=0)
-        self.cache = DecoderCache(len(model.decoder.layers))
-
-    def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:
-        hidden = self.model.decoder.features(tokens, self.encoder_out, self.src_tokens, self.cache)[:, -1]
-        return choose(F.log_softmax(self.model.decoder.output_projection.project(hidden).float(), dim=-1))
+        self.encoder_out = encoder_out.repeat_interleave(beam, dim=0)
 
     def reorder(self, rows: torch.Tensor, shrink: bool) -> None:
         if shrink:
@@ -151,6 +147,23 @@ class ModelDecoder:
             self.src_tokens, self.encoder_out = self.src_tokens[rows], self.encoder_out[rows]
         else:
             self.cache.reorder(rows)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities in fp32, whatever the model's precision."""
+    return F.log_softmax(logits.float(), dim=-1)
+
+
+class ModelDecoder(CachedRows):
+    """Decoding steps of the single-process Transformer, from the encoder output and a decoder cache."""
+
+    def __init__(self, model: Transformer, src_tokens: torch.Tensor, beam: int):
+        super().__init__(DecoderCache(len(model.decoder.layers)), src_tokens, model.encoder(src_tokens), beam)
+        self.model = model
+
+    def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:
+        hidden = self.model.decoder.features(tokens, self.encoder_out, self.src_tokens, self.cache)[:, -1]
+        return choose(log_probs(self.model.decoder.output_projection.project(hidden)))
 
 
 @torch.no_grad()

@@ -57,6 +57,31 @@ class DataConfig:
 
 
 @dataclass
+class ValidBleu:
+    """BLEU on the validation set at every validation (fairseq's --eval-bleu), decoded through the
+    pipeline's stages with the incremental beam search (pipeline/decode.py)."""
+
+    sentences: int = 0  # the first N validation sentences (0: all of them)
+    batch_size: int = 64  # sentences decoded together
+    beam: int = 4
+    lenpen: float = 1.0
+    # output length limit a x source length + b (fairseq's --eval-bleu-args example)
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+
+    def __post_init__(self) -> None:
+        for key in ("sentences", "batch_size", "beam", "max_len_b"):
+            least = 0 if key == "sentences" else 1
+            if getattr(self, key) < least:
+                raise ConfigError(f"train.valid_bleu.{key}: must be at least {least}, got {getattr(self, key)}")
+        if not self.max_len_a >= 0:
+            raise ConfigError(f"train.valid_bleu.max_len_a: must not be negative, got {self.max_len_a}")
+
+
+BEST_METRICS = ("loss", "bleu")  # train.best_metric
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 1000
     save_dir: str = "checkpoints/run"
@@ -65,6 +90,10 @@ class TrainConfig:
     log_interval: int = 10
     # Validation loss every this many steps (0: never); the best checkpoint is kept under tag "best".
     valid_interval: int = 0
+    # BLEU on the validation set at every validation, e.g. {"beam": 4, "lenpen": 0.6} (null: off).
+    valid_bleu: ValidBleu | None = None
+    # What "best" means: the lowest validation loss, or the highest validation BLEU.
+    best_metric: str = "loss"
     label_smoothing: float = 0.1
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
@@ -91,6 +120,12 @@ class TrainConfig:
             raise ConfigError(f"train.hang_timeout: must be at least 10 seconds, got {self.hang_timeout:g}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        if self.best_metric not in BEST_METRICS:
+            raise ConfigError(f"train.best_metric: {self.best_metric!r}; use one of {', '.join(BEST_METRICS)}")
+        if self.best_metric == "bleu" and self.valid_bleu is None:
+            raise ConfigError('train.best_metric: bleu needs train.valid_bleu; set it, e.g. {"beam": 4}')
+        if self.valid_bleu is not None and self.valid_interval == 0:
+            raise ConfigError("train.valid_bleu: BLEU is computed at validations; set train.valid_interval")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"train.on_nonfinite: {self.on_nonfinite!r}; use one of {', '.join(ON_NONFINITE)}")
 

@@ -36,6 +36,7 @@ from pipeline.checkpoint import (
 from pipeline.config import RunConfig, TrainConfig, load_config
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
+from pipeline.decode import bleu_set, valid_bleu
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.memory import current_bytes, report_peaks
@@ -45,6 +46,7 @@ from pipeline.watchdog import Watchdog, backend_timeout
 from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
 METRICS_FILE = "metrics.jsonl"
+TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
@@ -227,13 +229,34 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
     )
 
 
-def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> float:
+class Best:
+    """The best validation value so far by train.best_metric (the lowest loss or the highest BLEU), kept
+    in every checkpoint's client state."""
+
+    def __init__(self, metric: str, client_state: dict[str, Any]):
+        self.metric, self.key = metric, f"best_valid_{metric}"
+        self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
+        self.value = client_state.get(self.key, self.sign * float("inf"))
+
+    def update(self, value: float) -> bool:
+        """Whether `value` is the new best."""
+        if self.sign * value < self.sign * self.value:
+            self.value = value
+            return True
+        return False
+
+    def state(self) -> dict[str, float]:
+        return {self.key: self.value}
+
+
+def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> dict[str, Any]:
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
-    Admin's profiled omegas, and writes the run's records. Returns the best validation loss so far."""
+    Admin's profiled omegas, and writes the run's records. Returns the client state of the checkpoint
+    resumed from (empty for a new run)."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
-    best = float("inf")
+    client_state: dict[str, Any] = {}
     if resume and latest_tag(save_dir) is not None:
-        best = commit.load(engine, save_dir).get("best_valid_loss", best)
+        client_state = commit.load(engine, save_dir)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
     if rank == 0:  # only now: a checkpoint that failed to load leaves the run's records as they were
@@ -249,7 +272,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         if rank == 0:
             print(f"fathom: {message}", flush=True)
-    return best
+    return client_state
 
 
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
@@ -269,8 +292,43 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     report_peaks(baseline_memory, engine.stage_id, save_dir)
 
 
+class Validation:
+    """The model's validation loss after a step, and with train.valid_bleu its BLEU on the validation
+    set, decoded through the stages; the translations go to SAVE_DIR/translations/valid-stepN.txt."""
+
+    def __init__(self, engine: deepspeed.PipelineEngine, cfg: RunConfig, watchdog: Watchdog):
+        self.engine, self.cfg, self.watchdog = engine, cfg, watchdog
+        corpus = build_corpus(cfg, "valid")
+        self.batches = eval_batches(corpus, cfg.batch_size)
+        bleu = cfg.train.valid_bleu
+        self.bleu_set = bleu_set(corpus, cfg.data.path, bleu.sentences) if bleu else None
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        self.watchdog.progress(f"validation after step {step}")
+        record = {"step": step, "valid_loss": validate(self.engine, self.batches)}
+        if self.bleu_set is not None:
+            self.watchdog.progress(f"validation BLEU after step {step}")
+            output = Path(self.cfg.train.save_dir) / TRANSLATIONS / f"valid-step{step}.txt"
+            bleu, seconds = valid_bleu(self.engine, self.cfg.model, self.bleu_set, self.cfg.train.valid_bleu, output)
+            record.update(valid_bleu=bleu, valid_bleu_seconds=seconds)
+        return record
+
+
+def validation_line(record: dict[str, Any], best: Best) -> str:
+    bleu = (
+        f" | valid bleu {record['valid_bleu']:.2f} ({record['valid_bleu_seconds']:.1f} s)"
+        if "valid_bleu" in record
+        else ""
+    )
+    return f"step {record['step']} | valid loss {record['valid_loss']:.4f}{bleu} | best {best.metric} {best.value:.4f}"
+
+
 def run(
-    engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, best: float, watchdog: Watchdog
+    engine: deepspeed.PipelineEngine,
+    cfg: RunConfig,
+    corpus: ParallelCorpus,
+    client_state: dict[str, Any],
+    watchdog: Watchdog,
 ) -> None:
     """The training loop, from the engine's step to train.max_steps: steps, logs, validation, checkpoints."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
@@ -285,7 +343,8 @@ def run(
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
         data_parallel_size=engine.grid.get_data_parallel_world_size(),
     )
-    valid = eval_batches(build_corpus(cfg, "valid"), cfg.batch_size) if cfg.train.valid_interval else []
+    validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
+    best = Best(cfg.train.best_metric, client_state)
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
@@ -305,21 +364,19 @@ def run(
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
-        if valid and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
-            watchdog.progress(f"validation after step {done}")
+        if validation and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
             for hook in hooks:  # the model after step s is evaluated (and exported) at step s
                 hook(done)
-            valid_loss = validate(engine, valid)
-            if valid_loss < best:
-                best = valid_loss
+            record = validation(done)
+            if best.update(record[f"valid_{best.metric}"]):
                 watchdog.progress(f"checkpoint save after step {done}")
-                commit.save(engine, save_dir, {"best_valid_loss": best}, best=True)
-            metrics.write({"step": done, "valid_loss": valid_loss, "best_valid_loss": best})
+                commit.save(engine, save_dir, best.state(), best=True)
+            metrics.write({**record, **best.state()})
             if rank == 0:
-                print(f"step {done} | valid loss {valid_loss:.4f} | best {best:.4f}", flush=True)
+                print(validation_line(record, best), flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
-            commit.save(engine, save_dir, {"best_valid_loss": best}, best=False)
+            commit.save(engine, save_dir, best.state(), best=False)
 
 
 def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:

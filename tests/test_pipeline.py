@@ -12,13 +12,15 @@ import torch
 from model import SCHEMES
 from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
+from model.search import beam_search
 from pipeline.checkpoint import load_reference
 from pipeline.config import load_config
-from pipeline.data import MicroBatches, eval_batches
+from pipeline.data import MicroBatches, eval_batches, with_eos
 from pipeline.hooks import ScheduleHook
 from pipeline.partition import stage_bounds
 from pipeline.train import build_corpus, profile_batch, with_vocab
 from tests.conftest import ROOT, launch
+from tests.workers.parity import SEARCH
 
 pytestmark = pytest.mark.slow
 
@@ -107,6 +109,21 @@ def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
         )
         checked += 1
     assert checked == len(list(model.parameters())) and checked > 0
+
+
+@pytest.mark.parametrize("case", [*CASES, REAL_DATA_CASE])
+def test_search_through_two_stages_equals_single_process(parity_runs, case):
+    """Beam search run through the stages of a live pipeline (pipeline/decode.py: hidden states passed
+    stage to stage, candidates broadcast from the last) gives the single-process search's hypotheses and
+    scores, for every scheme and every embedding-sharing mode."""
+    config, out, cases = parity_runs
+    decoded = json.loads((out / case / "decoded.json").read_text())
+    cfg = load_config(config, cases[case].split(","), world_size=2)
+    valid = build_corpus(cfg, "valid")
+    src = with_eos([valid.pair(i)[0] for i in range(len(decoded))])
+    found = beam_search(load_reference(out / case, "after"), src, **SEARCH)
+    assert [h.tokens for h in found] == [d["tokens"] for d in decoded]
+    assert [h.score for h in found] == pytest.approx([d["score"] for d in decoded], abs=1e-5)
 
 
 def test_admin_omegas_from_two_stages_equal_single_process(parity_runs):
@@ -251,3 +268,31 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     assert lines[-3].startswith("BLEU = ") and lines[-2].startswith("chrF2 = ")
     assert lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert len(output.read_text().splitlines()) == 50
+
+
+def test_validation_bleu_keeps_the_best_checkpoint_and_equals_generate(tmp_path, multi30k_slice):
+    """train.valid_bleu decodes the validation set through 2 stages at every validation, logs BLEU and
+    writes the translations; with train.best_metric=bleu the best checkpoint is the highest BLEU, and
+    generate.py on it, with the same search, writes the same translations."""
+    save = tmp_path / "run"
+    search = {"beam": 2, "lenpen": 0.6, "max_len_a": 0, "max_len_b": 8}
+    overrides = [
+        f"data.path={multi30k_slice}", "data.max_tokens=400", "model.embed_dim=32", "model.ffn_dim=64",
+        "model.encoder_layers=2", "model.decoder_layers=2", "train.max_steps=9", "train.valid_interval=3",
+        f"train.valid_bleu={json.dumps({**search, 'batch_size': 16})}", "train.best_metric=bleu",
+        "optimizer.params.lr=0.005",
+    ]  # fmt: skip
+    assert train(save, *overrides).returncode == 0
+    valid = [r for r in metrics(save) if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [3, 6, 9]
+    assert valid[-1]["best_valid_bleu"] == max(r["valid_bleu"] for r in valid)
+    best_step = next(r["step"] for r in valid if r["valid_bleu"] == valid[-1]["best_valid_bleu"])
+    assert (save / "best").resolve().name == f"best_global_step{best_step}"
+
+    output = tmp_path / "valid.txt"
+    args = ["--checkpoint", str(save), "--tag", "best", "--data", str(multi30k_slice), "--subset", "valid"]
+    args += [f"--{key.replace('_', '-')}={value}" for key, value in search.items()] + ["--output", str(output)]
+    result = subprocess.run([sys.executable, "scripts/generate.py", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert output.read_text() == (save / "translations" / f"valid-step{best_step}.txt").read_text()
+    assert result.stdout.splitlines()[1].startswith(f"BLEU = {valid[-1]['best_valid_bleu']:.2f} ")

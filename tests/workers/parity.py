@@ -1,7 +1,9 @@
 """Launched by tests/test_pipeline.py under `deepspeed --num_gpus 2`: one SGD step per case.
 
 For each case it saves the pipeline's weights before and after one optimizer step, and the
-engine's loss, so the test can replay the step in the single-process model.
+engine's loss, so the test can replay the step in the single-process model; then it translates the
+first validation sentences through the stages (pipeline/decode.py), for the test to compare with the
+single-process search on the "after" weights.
 Usage: parity.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 """
 
@@ -14,13 +16,16 @@ import torch.distributed as dist
 from model.norms import build_scheme
 from pipeline import admin
 from pipeline.checkpoint import CONFIG_FILE
-from pipeline.config import load_config
+from pipeline.config import ValidBleu, load_config
 from pipeline.data import MicroBatches
+from pipeline.decode import translate
 from pipeline.hooks import ScheduleHook
 from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
 from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
+DECODED = 12  # validation sentences translated through the stages, in batches of 5
+SEARCH = {"beam": 3, "lenpen": 0.6, "max_len_a": 0.0, "max_len_b": 8}
 
 
 def main():
@@ -47,6 +52,14 @@ def main():
         engine.save_checkpoint(str(save_dir), tag="after")
         layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
         (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
+        ScheduleHook(engine.module)(engine.global_steps)  # as load_reference sets the "after" weights
+        valid = build_corpus(cfg, "valid")
+        sources = [valid.pair(i)[0] for i in range(DECODED)]
+        found = translate(engine, cfg.model, sources, ValidBleu(batch_size=5, **SEARCH))
+        if dist.get_rank() == 0:
+            hypotheses = [{"tokens": h.tokens, "score": h.score} for h in found]
+            (save_dir / "decoded.json").write_text(json.dumps(hypotheses))
 
 
-run_launched(main)
+if __name__ == "__main__":
+    run_launched(main)

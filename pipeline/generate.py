@@ -11,6 +11,7 @@ detokenized with the data's SentencePiece model and scored against the split's r
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
@@ -30,24 +31,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def translate(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(hypotheses, references) of the split, in the split's order."""
+def translate(args: argparse.Namespace) -> tuple[list[str], list[str], float]:
+    """(hypotheses, references) of the split, in the split's order, and the seconds the search took."""
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args)
     sources = [corpus.sources[i] for i in range(len(corpus))]
+    tick = time.perf_counter()
     found = translator.search(sources, progress=f"translating {args.subset}")
+    seconds = time.perf_counter() - tick
     references = read_lines(Path(args.data) / f"{args.subset}.raw.{corpus.tgt}")
-    return [translator.detokenize(h) for h in found], references
+    return [translator.detokenize(h) for h in found], references, seconds
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        hypotheses, references = translate(args)
+        hypotheses, references, seconds = translate(args)
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     write_atomic(output, "".join(h + "\n" for h in hypotheses))
     bleu, chrf = BLEU(), CHRF()
-    print(f"wrote {len(hypotheses)} hypotheses to {output}")
+    print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
     print(bleu.corpus_score(hypotheses, [references]))
     print(chrf.corpus_score(hypotheses, [references]))
     print(bleu.get_signature())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from pipeline.corpus import PreparedData, sentencepiece_model
 from pipeline.data import with_eos
 from pipeline.prepare import decode_lines, read_lines
 
+SearchFn = Callable[..., list[Hypothesis]]
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,15 +84,18 @@ class Translator:
             for lang in (self.data.src, self.data.tgt)
         )
 
-    def search(self, sources: list[torch.Tensor], progress: str | None = None) -> list[Hypothesis]:
-        """Best hypothesis per source (token ids without eos), batched by length, in input order."""
+    def search(
+        self, sources: list[torch.Tensor], progress: str | None = None, search: SearchFn = beam_search
+    ) -> list[Hypothesis]:
+        """Best hypothesis per source (token ids without eos), batched by length, in input order; `search`
+        (model.search.beam_search's signature) lets a benchmark time another search on the same batches."""
         args = self.args
         order = np.argsort([len(s) for s in sources], kind="stable")
         batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
             src = with_eos([sources[i] for i in batch])
-            found = beam_search(self.model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
+            found = search(self.model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
             for index, hypothesis in zip(batch, found, strict=True):
                 hypotheses[index] = hypothesis
         return hypotheses

@@ -1,0 +1,177 @@
+"""Translation speed side by side: fathom's incremental beam search, its first search (which recomputed
+the whole decoder over the whole prefix at every position), and fairseq 0.12.2's fairseq-generate on the
+exported model, each decoding the same prepared split.
+
+    python scripts/bench_translate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR [--subset test] \\
+        [--beam 4] [--lenpen 0.6] [--batch-size 64] [--systems incremental,full,fairseq] [--rounds 1] \\
+        [--threads 2] [--json FILE]
+
+Every system gets the same beam, length penalty, length limits, sentences per batch and threads, and
+the systems take turns round by round, so a noisy machine slows them alike. Times are of decoding
+alone: model loading and start-up are excluded (for fairseq, its own "Translated ... in S s"). The
+hypotheses of each system are compared with the incremental search's, sentence by sentence after
+SentencePiece decoding. The full-recompute search is the reference kept in tests/reference_search.py
+(run from a checkout); fairseq needs `bash scripts/setup_fairseq_env.sh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from model.config import ConfigError, exit_on_config_error
+from pipeline.corpus import BinarizedCorpus
+from pipeline.to_fairseq import main as export_main
+from pipeline.translate import Translator, add_model_args
+
+SYSTEMS = ("incremental", "full", "fairseq")
+FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
+TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--subset", default="test")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--rounds", type=int, default=1, help="each system decodes the split this many times")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads of every system")
+    parser.add_argument("--fairseq-env", default=str(FAIRSEQ_ENV), help="from scripts/setup_fairseq_env.sh")
+    parser.add_argument("--json", default=None, help="write the results here too")
+    return parser.parse_args(argv)
+
+
+def full_recompute_search() -> Callable:
+    """The first search, kept as the tests' reference; importable from a checkout only."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "tests" / "reference_search.py").exists():
+        raise ConfigError("--systems full: tests/reference_search.py not found; run from a fathom checkout")
+    sys.path.insert(0, str(root))
+    from tests.reference_search import full_recompute_search as search
+
+    return search
+
+
+class Fathom:
+    """A search of ours, in this process."""
+
+    def __init__(self, translator: Translator, sources: list[torch.Tensor], search: Callable | None):
+        self.translator, self.sources = translator, sources
+        self.options = {} if search is None else {"search": search}
+
+    def __call__(self) -> tuple[float, list[str]]:
+        tick = time.perf_counter()
+        found = self.translator.search(self.sources, **self.options)
+        seconds = time.perf_counter() - tick
+        return seconds, [self.translator.detokenize(h) for h in found]
+
+
+class Fairseq:
+    """fairseq-generate on the model exported to fairseq, in its own environment and process."""
+
+    def __init__(self, args: argparse.Namespace, translator: Translator, workdir: Path):
+        bin_dir = Path(args.fairseq_env) / "bin"
+        if not (bin_dir / "fairseq-generate").exists():
+            raise ConfigError(
+                f"--fairseq-env {args.fairseq_env}: no fairseq-generate; run bash scripts/setup_fairseq_env.sh"
+            )
+        self.export = workdir / "fairseq"
+        tag = ["--tag", args.tag] if args.tag else []
+        export_main(["--checkpoint", args.checkpoint, *tag, "--data", args.data, "--out", str(self.export)]
+                    + ["--splits", args.subset])  # fmt: skip
+        self.command = [
+            str(bin_dir / "fairseq-generate"), str(self.export), "--path", str(self.export / "checkpoint.pt"),
+            "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", "--beam", str(args.beam),
+            "--lenpen", str(args.lenpen), "--max-len-a", str(args.max_len_a), "--max-len-b", str(args.max_len_b),
+            "--batch-size", str(args.batch_size),
+        ]  # fmt: skip
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+        self.detokenizer = translator.detokenizer
+
+    def __call__(self) -> tuple[float, list[str]]:
+        result = subprocess.run(self.command, env=self.env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"fairseq-generate failed:\n{result.stderr[-3000:]}")
+        hypotheses = {}
+        for line in result.stdout.splitlines():
+            if line.startswith("H-"):
+                index, _, pieces = line.split("\t")
+                hypotheses[int(index[2:])] = self.detokenizer.decode_pieces(pieces.split())
+        seconds = float(TRANSLATED.search(result.stdout + result.stderr)[3])
+        return seconds, [hypotheses[i] for i in range(len(hypotheses))]
+
+
+def run(args: argparse.Namespace) -> dict:
+    systems = args.systems.split(",")
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise ConfigError(f"--systems: unknown system '{unknown[0]}'; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1 or args.threads < 1:
+        raise ConfigError("--rounds and --threads: must be at least 1")
+    torch.set_num_threads(args.threads)
+    corpus = BinarizedCorpus(args.data, args.subset)
+    translator = Translator(args)
+    sources = [corpus.sources[i] for i in range(len(corpus))]
+    with tempfile.TemporaryDirectory() as workdir:
+        runners = {
+            "incremental": lambda: Fathom(translator, sources, None),
+            "full": lambda: Fathom(translator, sources, full_recompute_search()),
+            "fairseq": lambda: Fairseq(args, translator, Path(workdir)),
+        }
+        bench = {name: runners[name]() for name in systems}
+        seconds: dict[str, list[float]] = {name: [] for name in systems}
+        hypotheses: dict[str, list[str]] = {}
+        for round_ in range(args.rounds):
+            for name, decode in bench.items():
+                took, hypotheses[name] = decode()
+                seconds[name].append(took)
+                print(f"round {round_ + 1}: {name} {took:.1f} s", file=sys.stderr, flush=True)
+    reference = hypotheses.get("incremental")
+    return {
+        "sentences": len(sources),
+        "threads": args.threads,
+        "search": {k: getattr(args, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b", "batch_size")},
+        "systems": {
+            name: {
+                "seconds": times,
+                "median_seconds": statistics.median(times),
+                "same_as_incremental": None
+                if reference is None
+                else sum(a == b for a, b in zip(hypotheses[name], reference, strict=True)),
+            }
+            for name, times in seconds.items()
+        },
+    }
+
+
+def table(results: dict) -> str:
+    systems = results["systems"]
+    base = systems.get("incremental", next(iter(systems.values())))["median_seconds"]
+    lines = ["| system | seconds (median) | sentences/s | incremental is faster by | same hypotheses as incremental |"]
+    lines.append("| --- | --- | --- | --- | --- |")
+    for name, r in systems.items():
+        same = "" if r["same_as_incremental"] is None else f"{r['same_as_incremental']} / {results['sentences']}"
+        speed = results["sentences"] / r["median_seconds"]
+        lines.append(
+            f"| {name} | {r['median_seconds']:.1f} | {speed:.1f} | {r['median_seconds'] / base:.2f}x | {same} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        results = run(args)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

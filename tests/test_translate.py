@@ -108,6 +108,8 @@ def refused(capsys, monkeypatch, run, data, stdin: bytes, *args) -> str:
         (b"", [], "stdin: no lines to translate"),
         (b"Ein Hund.\n", ["--beam", "0"], "--beam: must be at least 1, got 0"),
         (b"Ein Hund.\n", ["--batch-size", "0"], "--batch-size: must be at least 1"),
+        (b"Ein Hund.\n", ["--max-len-b", "0"], "--max-len-b: must be at least 1"),
+        (b"Ein Hund.\n", ["--max-len-a=-1"], "--max-len-a: must not be negative"),
         (b"Ein Hund.\n", ["--tag", "global_step7"], "no checkpoint tagged 'global_step7'"),
         (b"Ein Hund.\n", ["--input", "/nonexistent.de"], "--input /nonexistent.de: no such file"),
         (b"Ein Hund.\nZwei Hunde.\n", ["--reference", "REF"], "1 lines for 2 input lines"),

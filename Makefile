@@ -47,7 +47,8 @@ test: EXTRAS = dev,mpi
 test: mpi install peers lint
 	$(PYTHON) -m pytest
 
-# The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set, score, plot.
+# The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set with the best and the
+# averaged last 5 checkpoints, score, plot.
 $(M30K_DATA)/meta.json:
 	$(PYTHON) scripts/prepare_data.py --src de --tgt en --train $(M30K)/train --valid $(M30K)/val \
 		--test $(M30K)/test_2016_flickr --vocab-size 8000 --out $(M30K_DATA)
@@ -56,4 +57,7 @@ multi30k: install $(M30K_DATA)/meta.json
 	deepspeed --num_gpus 1 scripts/train.py --config ds_configs/multi30k_deen.json --resume
 	$(PYTHON) scripts/generate.py --checkpoint $(M30K_RUN) --tag best --data $(M30K_DATA) --subset test \
 		--beam 4 --lenpen 0.6
+	$(PYTHON) scripts/average_checkpoints.py --checkpoint $(M30K_RUN) --last 5 --force
+	$(PYTHON) scripts/generate.py --checkpoint $(M30K_RUN) --tag avg_last5 --data $(M30K_DATA) --subset test \
+		--beam 4 --lenpen 0.6 --output $(M30K_RUN)/generate-test-avg_last5.txt
 	$(PYTHON) scripts/plot_metrics.py $(M30K_RUN) --title "Multi30k De-En"

@@ -270,17 +270,21 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     assert len(output.read_text().splitlines()) == 50
 
 
-def test_validation_bleu_keeps_the_best_checkpoint_and_equals_generate(tmp_path, multi30k_slice):
-    """train.valid_bleu decodes the validation set through 2 stages at every validation, logs BLEU and
-    writes the translations; with train.best_metric=bleu the best checkpoint is the highest BLEU, and
-    generate.py on it, with the same search, writes the same translations."""
+@pytest.mark.parametrize(
+    "layout", [["pipeline.stages=2"], ["pipeline.stages=1", "train_batch_size=64"]], ids=["2 stages", "2 replicas"]
+)
+def test_validation_bleu_keeps_the_best_checkpoint_and_equals_generate(tmp_path, multi30k_slice, layout):
+    """train.valid_bleu decodes the validation set at every validation, through 2 stages or split between
+    2 data-parallel replicas, logs BLEU and writes the translations; with train.best_metric=bleu the best
+    checkpoint is the highest BLEU, and generate.py on it, with the same search, writes the same
+    translations."""
     save = tmp_path / "run"
     search = {"beam": 2, "lenpen": 0.6, "max_len_a": 0, "max_len_b": 8}
     overrides = [
         f"data.path={multi30k_slice}", "data.max_tokens=400", "model.embed_dim=32", "model.ffn_dim=64",
         "model.encoder_layers=2", "model.decoder_layers=2", "train.max_steps=9", "train.valid_interval=3",
         f"train.valid_bleu={json.dumps({**search, 'batch_size': 16})}", "train.best_metric=bleu",
-        "optimizer.params.lr=0.005",
+        "optimizer.params.lr=0.005", *layout,
     ]  # fmt: skip
     assert train(save, *overrides).returncode == 0
     valid = [r for r in metrics(save) if "valid_loss" in r]

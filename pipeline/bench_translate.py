@@ -12,6 +12,10 @@ alone: model loading and start-up are excluded (for fairseq, its own "Translated
 hypotheses of each system are compared with the incremental search's, sentence by sentence after
 SentencePiece decoding. The full-recompute search is the reference kept in tests/reference_search.py
 (run from a checkout); fairseq needs `bash scripts/setup_fairseq_env.sh`.
+
+    python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30]
+
+times the searches against decoder depth instead, on randomly initialized models (depth_main).
 """
 
 from __future__ import annotations
@@ -169,9 +173,66 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["depth"]:
+        depth_main(argv[1:])
+        return
     args = parse_args(argv)
     with exit_on_config_error():
         results = run(args)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def parse_depth_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=depth_main.__doc__)
+    parser.add_argument("--depths", default="25,50,100", help="decoder depths, comma-separated")
+    parser.add_argument("--encoder-layers", type=int, default=12)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--sentences", type=int, default=64, help="source sentences, one batch")
+    parser.add_argument("--length", type=int, default=30, help="tokens every hypothesis gets (eos after exactly this)")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--systems", default="incremental,full", help="incremental, full or both")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    return parser.parse_args(argv)
+
+
+def depth_main(argv: list[str] | None = None) -> None:
+    """Decoding time against decoder depth: randomly initialized models of one width, one batch of 15-token
+    sources, every hypothesis forced to the same length (eos forbidden before it, the only choice after), so
+    only the depth changes; the incremental search should grow linearly with depth.
+
+        python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30] [--sentences 64]
+    """
+    from model import ModelConfig, Transformer
+    from model.search import beam_search
+
+    args = parse_depth_args(argv)
+    torch.set_num_threads(args.threads)
+    searches = {"incremental": beam_search, "full": None}
+    systems = args.systems.split(",")
+    if "full" in systems:
+        searches["full"] = full_recompute_search()
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, args.vocab, (args.sentences, 15), generator=generator)
+    src[:, -1] = 2  # eos
+    print("| decoder layers | " + " | ".join(f"{s} seconds" for s in systems) + " | incremental seconds per layer |")
+    print("| --- " * (len(systems) + 2) + "|")
+    for depth in map(int, args.depths.split(",")):
+        torch.manual_seed(0)
+        cfg = ModelConfig(
+            encoder_layers=args.encoder_layers, decoder_layers=depth, embed_dim=args.dim, ffn_dim=4 * args.dim,
+            attention_heads=4, dropout=0.0, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab,
+        )  # fmt: skip
+        model = Transformer(cfg).eval()
+        times = {}
+        for name in systems:
+            tick = time.perf_counter()
+            found = searches[name](model, src, beam=args.beam, max_len_b=args.length, min_len=args.length)
+            times[name] = time.perf_counter() - tick
+            assert all(len(h.tokens) == args.length for h in found)
+        cells = " | ".join(f"{times[s]:.1f}" for s in systems)
+        per_layer = f"{times['incremental'] / depth:.3f}" if "incremental" in times else ""
+        print(f"| {depth} | {cells} | {per_layer} |", flush=True)

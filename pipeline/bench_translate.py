@@ -48,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
     parser.add_argument("--subset", default="test")
+    parser.add_argument("--sentences", type=int, default=0, help="the split's first N sentences only (0: all)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--rounds", type=int, default=1, help="each system decodes the split this many times")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads of every system")
@@ -84,7 +85,7 @@ class Fathom:
 class Fairseq:
     """fairseq-generate on the model exported to fairseq, in its own environment and process."""
 
-    def __init__(self, args: argparse.Namespace, translator: Translator, workdir: Path):
+    def __init__(self, args: argparse.Namespace, translator: Translator, workdir: Path, sentences: int):
         bin_dir = Path(args.fairseq_env) / "bin"
         if not (bin_dir / "fairseq-generate").exists():
             raise ConfigError(
@@ -94,6 +95,10 @@ class Fairseq:
         tag = ["--tag", args.tag] if args.tag else []
         export_main(["--checkpoint", args.checkpoint, *tag, "--data", args.data, "--out", str(self.export)]
                     + ["--splits", args.subset])  # fmt: skip
+        self.sentences = sentences
+        for split_file in self.export.glob(f"{args.subset}.*-*.*"):  # fairseq raw text: keep the first sentences
+            lines = split_file.read_text(encoding="utf-8").split("\n")[:sentences]
+            split_file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         self.command = [
             str(bin_dir / "fairseq-generate"), str(self.export), "--path", str(self.export / "checkpoint.pt"),
             "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", "--beam", str(args.beam),
@@ -113,7 +118,7 @@ class Fairseq:
                 index, _, pieces = line.split("\t")
                 hypotheses[int(index[2:])] = self.detokenizer.decode_pieces(pieces.split())
         seconds = float(TRANSLATED.search(result.stdout + result.stderr)[3])
-        return seconds, [hypotheses[i] for i in range(len(hypotheses))]
+        return seconds, [hypotheses[i] for i in range(self.sentences)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -125,12 +130,12 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args)
-    sources = [corpus.sources[i] for i in range(len(corpus))]
+    sources = [corpus.sources[i] for i in range(min(args.sentences or len(corpus), len(corpus)))]
     with tempfile.TemporaryDirectory() as workdir:
         runners = {
             "incremental": lambda: Fathom(translator, sources, None),
             "full": lambda: Fathom(translator, sources, full_recompute_search()),
-            "fairseq": lambda: Fairseq(args, translator, Path(workdir)),
+            "fairseq": lambda: Fairseq(args, translator, Path(workdir), len(sources)),
         }
         bench = {name: runners[name]() for name in systems}
         seconds: dict[str, list[float]] = {name: [] for name in systems}

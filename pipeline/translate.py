@@ -59,7 +59,10 @@ def check_search_args(args: argparse.Namespace) -> None:
 
 def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:
     """Where and in what precision to decode; fails in one line where the device cannot."""
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"--device {device}: not a device; use cpu, cuda or cuda:N") from None
     if where.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA device here; use --device cpu")
     if where.type == "cpu" and precision == "fp16":

@@ -114,6 +114,7 @@ def refused(capsys, monkeypatch, run, data, stdin: bytes, *args) -> str:
         (b"Ein Hund.\n", ["--input", "/nonexistent.de"], "--input /nonexistent.de: no such file"),
         (b"Ein Hund.\nZwei Hunde.\n", ["--reference", "REF"], "1 lines for 2 input lines"),
         (b"Ein Hund.\n", ["--precision", "fp16", "--device", "cpu"], "--precision fp16: needs a GPU"),
+        (b"Ein Hund.\n", ["--device", "gpu0"], "--device gpu0: not a device"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(capsys, monkeypatch, run, multi30k_slice, tmp_path, stdin, args,

@@ -7,11 +7,13 @@ checkpoint loads into it layer by layer.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from model.cache import DecoderCache
-from model.config import ModelConfig
+from model.config import NUM_SPECIAL, ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.norms import build_scheme
@@ -108,13 +110,19 @@ def module_names(cfg: ModelConfig) -> list[str]:
 
 def saved_names(cfg: ModelConfig) -> list[str | None]:
     """module_names(cfg), with None for every later use of a table shared with an earlier name: a
-    pipeline checkpoint has one file per name (DeepSpeed saves a tied layer under its first use)."""
-    with torch.device("meta"):  # shapes and sharing only, no memory
-        model = Transformer(cfg)
+    pipeline checkpoint has one file per name (DeepSpeed saves a tied layer under its first use).
+
+    Only the embedding tables are ever shared, so only they are built (on the meta device: which object
+    is which, no memory); the sizes do not matter."""
+    with torch.device("meta"):
+        tables = build_embeddings(dataclasses.replace(cfg, src_vocab_size=NUM_SPECIAL, tgt_vocab_size=NUM_SPECIAL))
+    names_of_tables = ("encoder.embed_tokens", "decoder.embed_tokens", "decoder.output_projection")
+    table_of = dict(zip(names_of_tables, tables, strict=True))
     seen: set[int] = set()
     names: list[str | None] = []
     for name in module_names(cfg):
-        module = model.get_submodule(name)
-        names.append(None if id(module) in seen else name)
-        seen.add(id(module))
+        table = table_of.get(name)
+        names.append(None if table is not None and id(table) in seen else name)
+        if table is not None:
+            seen.add(id(table))
     return names

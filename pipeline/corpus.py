@@ -131,7 +131,7 @@ class BinarizedCorpus(PreparedData):
 
     def __init__(self, path: str | Path, split: str):
         super().__init__(path)
-        path = Path(path)
+        path = self.path
         if split not in self.meta["splits"]:
             raise ConfigError(f"{path}: no split '{split}'; it has {', '.join(self.meta['splits'])}")
         self.sources = IndexedDataset(path / f"{split}.{self.src}", self.meta["dtype"])

@@ -7,7 +7,7 @@ and the two vocabulary sizes: the built-in synthetic task here, or a binarized r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,6 +76,13 @@ def with_eos(sentences: list[torch.Tensor]) -> torch.Tensor:
     """Sentences of token ids (without eos) as one right-padded batch, each ending in eos."""
     eos = torch.tensor([EOS])
     return _pad([torch.cat([s, eos]) for s in sentences])
+
+
+def length_batches(sources: list[torch.Tensor], indices: Iterable[int], size: int) -> list[list[int]]:
+    """The given indices of `sources`, grouped `size` at a time by source length (ties in given order):
+    decoding batches with little padding."""
+    ordered = sorted(indices, key=lambda i: len(sources[i]))
+    return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
 def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MicroBatch:

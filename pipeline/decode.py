@@ -37,7 +37,7 @@ from model.transformer import module_names
 from pipeline.checkpoint import write_atomic
 from pipeline.config import ValidBleu
 from pipeline.corpus import BinarizedCorpus, sentencepiece_model
-from pipeline.data import ParallelCorpus, with_eos
+from pipeline.data import ParallelCorpus, length_batches, with_eos
 from pipeline.layers import layer_specs
 from pipeline.prepare import read_lines
 
@@ -57,49 +57,58 @@ def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[Part]:
     return parts
 
 
-class StageDecoder(CachedRows):
-    """This rank's part of the search's decoding steps (a model.search.StepDecoder)."""
+class Stage:
+    """This rank's place in its pipeline and its layers, as decoding needs them; the same for every batch."""
 
-    def __init__(self, engine: deepspeed.PipelineEngine, cfg: ModelConfig, src_tokens: torch.Tensor, beam: int):
+    def __init__(self, engine: deepspeed.PipelineEngine, cfg: ModelConfig):
         self.parts = stage_parts(engine.module, cfg)
         grid, stage, stages = engine.grid, engine.stage_id, engine.num_stages
         self.prev = grid.stage_to_global(stage - 1) if stage > 0 else None
         self.next = grid.stage_to_global(stage + 1) if stage < stages - 1 else None
         self.last, self.group = grid.stage_to_global(stages - 1), grid.get_pipe_parallel_group()
         self.device, self.dtype = engine.device, next(engine.module.parameters()).dtype
-        self.dim, self.beam = cfg.embed_dim, beam
+        self.dim = cfg.embed_dim
         # the stages from the one that embeds target tokens on take part in every step
         self.decodes = engine.module.parts[stage + 1] > module_names(cfg).index("decoder.embed_tokens")
         self.embeds = any(name == "decoder.embed_tokens" for name, _ in self.parts)
-        layers = sum(name.startswith("decoder.layers.") for name, _ in self.parts)
-        super().__init__(DecoderCache(layers), src_tokens, self.encode(src_tokens), beam)
+        self.decoder_layers = sum(name.startswith("decoder.layers.") for name, _ in self.parts)
+
+
+class StageDecoder(CachedRows):
+    """This rank's part of the search's decoding steps (a model.search.StepDecoder)."""
+
+    def __init__(self, stage: Stage, src_tokens: torch.Tensor, beam: int):
+        self.stage, self.beam = stage, beam
+        super().__init__(DecoderCache(stage.decoder_layers), src_tokens, self.encode(src_tokens), beam)
 
     def receive(self, *shape: int) -> torch.Tensor:
-        buffer = torch.empty(*shape, self.dim, dtype=self.dtype, device=self.device)
-        dist.recv(buffer, src=self.prev)
+        stage = self.stage
+        buffer = torch.empty(*shape, stage.dim, dtype=stage.dtype, device=stage.device)
+        dist.recv(buffer, src=stage.prev)
         return buffer
 
     def encode(self, src_tokens: torch.Tensor) -> torch.Tensor:
         """The encoder output (complete on every stage past the encoder's last layer)."""
-        x = self.receive(*src_tokens.shape) if self.prev is not None else None
-        for name, module in self.parts:
+        stage = self.stage
+        x = self.receive(*src_tokens.shape) if stage.prev is not None else None
+        for name, module in stage.parts:
             if name == "encoder.embed_tokens":
                 x = module.embed(src_tokens)
             elif name.startswith("encoder.layers."):
                 x = EncoderLayer.forward(module, x, src_tokens)
             elif name == "encoder.layer_norm":
                 x = nn.LayerNorm.forward(module, x)
-        if self.next is not None:
-            dist.send(x.contiguous(), dst=self.next)
+        if stage.next is not None:
+            dist.send(x.contiguous(), dst=stage.next)
         return x
 
     def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:
-        rows = tokens.size(0)
-        candidates = torch.empty(3, rows // self.beam, 2 * self.beam, dtype=torch.float64, device=self.device)
-        if self.decodes:
-            y = None if self.embeds else self.receive(rows, 1)
+        stage, rows = self.stage, tokens.size(0)
+        candidates = torch.empty(3, rows // self.beam, 2 * self.beam, dtype=torch.float64, device=stage.device)
+        if stage.decodes:
+            y = None if stage.embeds else self.receive(rows, 1)
             layer = 0
-            for name, module in self.parts:
+            for name, module in stage.parts:
                 if name == "decoder.embed_tokens":
                     y = module.embed(tokens, self.cache.length)
                 elif name.startswith("decoder.layers."):
@@ -111,10 +120,10 @@ class StageDecoder(CachedRows):
                     # exact in float64: fp32 scores and integer indices
                     candidates = torch.stack([c.double() for c in choose(log_probs(module.project(y[:, -1])))])
             self.cache.length += 1
-            if self.next is not None:
-                dist.send(y.contiguous(), dst=self.next)
-        if self.next is not None or self.prev is not None:
-            dist.broadcast(candidates, src=self.last, group=self.group)
+            if stage.next is not None:
+                dist.send(y.contiguous(), dst=stage.next)
+        if stage.next is not None or stage.prev is not None:
+            dist.broadcast(candidates, src=stage.last, group=stage.group)
         scores, beam, token = candidates
         return scores.float(), beam.long(), token.long()
 
@@ -126,17 +135,16 @@ def translate(
     """Best hypotheses of this data-parallel replica's share of `sources` (every `size`-th sentence from
     its rank), on every stage; sentences batched by length."""
     grid = engine.grid
-    mine = list(range(grid.get_data_parallel_rank(), len(sources), grid.get_data_parallel_world_size()))
-    mine.sort(key=lambda i: len(sources[i]))
+    mine = range(grid.get_data_parallel_rank(), len(sources), grid.get_data_parallel_world_size())
     found: dict[int, Hypothesis] = {}
+    stage = Stage(engine, cfg)
     was_training = engine.module.training
     engine.module.eval()
     try:
-        for start in range(0, len(mine), search_cfg.batch_size):
-            batch = mine[start : start + search_cfg.batch_size]
+        for batch in length_batches(sources, mine, search_cfg.batch_size):
             src = with_eos([sources[i] for i in batch]).to(engine.device)
             max_len = max_length(src, cfg.max_positions, search_cfg.max_len_a, search_cfg.max_len_b)
-            decoder = StageDecoder(engine, cfg, src, search_cfg.beam)
+            decoder = StageDecoder(stage, src, search_cfg.beam)
             hypotheses = search(decoder, len(batch), search_cfg.beam, max_len, search_cfg.lenpen, device=engine.device)
             found.update(zip(batch, hypotheses, strict=True))
     finally:

@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import sentencepiece as spm
 import torch
 from sacrebleu.metrics import BLEU, CHRF
@@ -28,7 +27,7 @@ from model.search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.checkpoint import check_vocab, load_reference, write_atomic
 from pipeline.corpus import PreparedData, sentencepiece_model
-from pipeline.data import with_eos
+from pipeline.data import length_batches, with_eos
 from pipeline.prepare import decode_lines, read_lines
 
 SearchFn = Callable[..., list[Hypothesis]]
@@ -93,8 +92,7 @@ class Translator:
         """Best hypothesis per source (token ids without eos), batched by length, in input order; `search`
         (model.search.beam_search's signature) lets a benchmark time another search on the same batches."""
         args = self.args
-        order = np.argsort([len(s) for s in sources], kind="stable")
-        batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+        batches = length_batches(sources, range(len(sources)), args.batch_size)
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
             src = with_eos([sources[i] for i in batch])

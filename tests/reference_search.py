@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import EOS, PAD
-from model.search import Hypothesis
+from model.search import Hypothesis, max_length
 from model.transformer import Transformer
 
 
@@ -30,8 +30,7 @@ def full_recompute_search(
     """Best hypothesis per source sentence (token ids ending before eos). beam=1 is greedy decoding."""
     model.eval()
     batch, k = src_tokens.size(0), beam
-    src_len = int(src_tokens.ne(PAD).sum(1).max())
-    max_len = min(int(max_len_a * src_len + max_len_b), model.cfg.max_positions - 1)
+    max_len = max_length(src_tokens, model.cfg.max_positions, max_len_a, max_len_b)
 
     src = src_tokens.repeat_interleave(k, dim=0)
     encoder_out = model.encoder(src_tokens).repeat_interleave(k, dim=0)

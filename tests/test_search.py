@@ -46,14 +46,20 @@ def briefly_trained(scheme: str, **kw) -> Transformer:
     g = torch.Generator().manual_seed(0)
     lengths = torch.stack([torch.randint(1, 8, (32,), generator=g), torch.randint(1, 10, (32,), generator=g)], 1)
     pairs = [tuple(torch.randint(4, 24, (n,), generator=g) for n in pair) for pair in lengths.tolist()]
-    (src, prev), target = collate(pairs)
+    fit(model, collate(pairs), steps=40)
+    return model.eval()
+
+
+def fit(model: Transformer, batch, steps: int) -> float:
+    """Adam (lr 3e-3) on one batch for `steps` steps; the last loss (unsmoothed cross-entropy)."""
+    (src, prev), target = batch
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(40):
+    for _ in range(steps):
         loss = label_smoothed_cross_entropy(model(src, prev), target, smoothing=0.0)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return model.eval()
+    return loss.item()
 
 
 def assert_ends_vary(hypotheses, limit: int) -> None:
@@ -160,13 +166,8 @@ def test_bf16_model_decodes_like_fp32():
 def test_memorized_pairs_are_reproduced_exactly():
     pairs = [(s, [t + 1 for t in reversed(s)]) for s in SOURCES[:5]]
     model = tiny_model(4).train()
-    (src, prev), target = collate([(torch.tensor(s), torch.tensor(t)) for s, t in pairs])
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(300):
-        loss = label_smoothed_cross_entropy(model(src, prev), target, smoothing=0.0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.01
+    batch = collate([(torch.tensor(s), torch.tensor(t)) for s, t in pairs])
+    assert fit(model, batch, steps=300) < 0.01
+    (src, _), _ = batch
     for beam in (1, 4):
         assert [h.tokens for h in beam_search(model, src, beam=beam, lenpen=0.6)] == [t for _, t in pairs]

@@ -1,8 +1,9 @@
 """Keys and values kept between decoding steps, so each step runs the decoder on one new position only.
 
 A decoder layer's self-attention appends the new position's keys and values to its cache; its
-encoder attention projects the encoder output once, at the first step. Beam search reorders the
-rows as beams are extended (`reorder`) and drops the rows of finished sentences (`select`).
+encoder attention projects the encoder output once, at the first step, one row per sentence: a
+sentence's beams attend over one copy of its source. Beam search reorders the rows as beams are
+extended (`reorder`) and drops the rows of finished sentences (`select`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 KeysValues = tuple[torch.Tensor, torch.Tensor]
+FIRST_CAPACITY = 32  # positions: most sentences never make a cache grow
 
 
 class AttentionCache:
@@ -20,9 +22,9 @@ class AttentionCache:
 
     `static`: keys and values of a fixed sequence (the source), computed once. Otherwise the decoded
     prefix, growing by the positions of every call; it lives in the first `length` positions of buffers
-    whose capacity doubles as needed, and a reorder gathers rows into a spare pair of buffers: a step
-    allocates nothing, where concatenating and indexing fresh tensors made page faults the largest cost
-    of a step (on a 50-layer decoder, more than the matrix products)."""
+    whose capacity doubles as needed, and a reorder gathers those positions of each row into a spare
+    pair of buffers: a step allocates nothing, where concatenating and indexing fresh tensors made page
+    faults the largest cost of a step (on a 50-layer decoder, more than the matrix products)."""
 
     def __init__(self, static: bool):
         self.static = static
@@ -40,7 +42,7 @@ class AttentionCache:
         keys, values = project(key_value)
         start, stop = self.length, self.length + keys.size(2)
         if self.keys is None or stop > self.keys.size(2):
-            self._grow(keys, 2 * stop)
+            self._grow(keys, max(2 * stop, FIRST_CAPACITY))
         self.keys[:, :, start:stop] = keys
         self.values[:, :, start:stop] = values
         self.length = stop
@@ -63,8 +65,10 @@ class AttentionCache:
         if self.spare is None:
             self.spare = (torch.empty_like(self.keys), torch.empty_like(self.values))
         keys, values = self.spare
-        torch.index_select(self.keys, 0, rows, out=keys)
-        torch.index_select(self.values, 0, rows, out=values)
+        # the filled positions only: on a deep decoder, this copy is the largest cost of a step
+        filled = slice(0, self.length)
+        torch.index_select(self.keys[:, :, filled], 0, rows, out=keys[:, :, filled])
+        torch.index_select(self.values[:, :, filled], 0, rows, out=values[:, :, filled])
         self.spare = (self.keys, self.values)
         self.keys, self.values = keys, values
 
@@ -79,20 +83,28 @@ class LayerCache:
 
 class DecoderCache:
     """The caches of a stack of decoder layers (all of a model's, or one pipeline stage's), and how many
-    target positions they hold."""
+    target positions they hold. Rows are sentence-major, `beam` rows a sentence; the encoder attention
+    keeps one row per sentence."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, beam: int):
         self.layers = [LayerCache() for _ in range(num_layers)]
+        self.beam = beam
         self.length = 0
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Row i continues from row rows[i], every row staying with its own sentence (beams re-ranked):
-        the encoder attention's rows are alike across a sentence's beams, so only the prefixes move."""
+        only the prefixes move."""
         for layer in self.layers:
             layer.self_attn.select(rows)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keeps the given rows, in that order, across sentences (finished sentences leave the batch)."""
+        sentences = sentences_of(rows, self.beam)
         for layer in self.layers:
             layer.self_attn.select(rows)
-            layer.encoder_attn.select(rows)
+            layer.encoder_attn.select(sentences)
+
+
+def sentences_of(rows: torch.Tensor, beam: int) -> torch.Tensor:
+    """The sentence of each group of `beam` rows, of rows kept whole sentences at a time."""
+    return rows[::beam] // beam

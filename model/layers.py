@@ -53,13 +53,24 @@ class MultiheadAttention(nn.Module):
         causal: bool = False,
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
-        """With a cache, keys and values already computed for earlier positions (or the source) are reused."""
+        """With a cache, keys and values already computed for earlier positions (or the source) are reused.
+
+        key_value (and mask) may hold one row per group of consecutive query rows: in beam search, a
+        sentence's beams attend over one copy of its source."""
         q = self._heads(self.q_proj(query))
         k, v = self.keys_values(key_value) if cache is None else cache.update(self.keys_values, key_value)
+        rows, heads, length, head_dim = q.shape
+        sources = k.size(0)
+        if sources != rows:  # the group's queries side by side: (sources, heads, group x length, head_dim)
+            q = q.view(sources, rows // sources, heads, length, head_dim).transpose(1, 2).flatten(2, 3)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )
-        return self.out_proj(self.inner_attn_ln(out.transpose(1, 2).flatten(2)))
+        if sources != rows:  # back to (rows, length, heads, head_dim)
+            out = out.view(sources, heads, rows // sources, length, head_dim).permute(0, 2, 3, 1, 4)
+        else:
+            out = out.transpose(1, 2)
+        return self.out_proj(self.inner_attn_ln(out.reshape(rows, length, heads * head_dim)))
 
 
 class TransformerLayer(nn.Module):

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from model.cache import DecoderCache
+from model.cache import DecoderCache, sentences_of
 from model.config import EOS, PAD
 from model.transformer import Transformer
 
@@ -133,18 +133,18 @@ def search(
 
 
 class CachedRows:
-    """What a StepDecoder keeps per row, moved as the search reorders rows: the decoder layers' cache, the
-    source tokens (their padding mask) and the encoder output, each sentence's repeated for its beams."""
+    """What a StepDecoder keeps, moved as the search reorders rows: the decoder layers' cache, and per
+    sentence (not per beam: the attention serves a sentence's beams from one copy) the source tokens
+    (their padding mask) and the encoder output."""
 
-    def __init__(self, cache: DecoderCache, src_tokens: torch.Tensor, encoder_out: torch.Tensor, beam: int):
-        self.cache = cache
-        self.src_tokens = src_tokens.repeat_interleave(beam, dim=0)
-        self.encoder_out = encoder_out.repeat_interleave(beam, dim=0)
+    def __init__(self, cache: DecoderCache, src_tokens: torch.Tensor, encoder_out: torch.Tensor):
+        self.cache, self.src_tokens, self.encoder_out = cache, src_tokens, encoder_out
 
     def reorder(self, rows: torch.Tensor, shrink: bool) -> None:
         if shrink:
             self.cache.select(rows)
-            self.src_tokens, self.encoder_out = self.src_tokens[rows], self.encoder_out[rows]
+            sentences = sentences_of(rows, self.cache.beam)
+            self.src_tokens, self.encoder_out = self.src_tokens[sentences], self.encoder_out[sentences]
         else:
             self.cache.reorder(rows)
 
@@ -158,7 +158,7 @@ class ModelDecoder(CachedRows):
     """Decoding steps of the single-process Transformer, from the encoder output and a decoder cache."""
 
     def __init__(self, model: Transformer, src_tokens: torch.Tensor, beam: int):
-        super().__init__(DecoderCache(len(model.decoder.layers)), src_tokens, model.encoder(src_tokens), beam)
+        super().__init__(DecoderCache(len(model.decoder.layers), beam), src_tokens, model.encoder(src_tokens))
         self.model = model
 
     def step(self, tokens: torch.Tensor, choose: Choose) -> Candidates:

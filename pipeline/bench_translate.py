@@ -6,12 +6,12 @@ exported model, each decoding the same prepared split.
         [--beam 4] [--lenpen 0.6] [--batch-size 64] [--systems incremental,full,fairseq] [--rounds 1] \\
         [--threads 2] [--json FILE]
 
-Every system gets the same beam, length penalty, length limits, sentences per batch and threads, and
-the systems take turns round by round, so a noisy machine slows them alike. Times are of decoding
-alone: model loading and start-up are excluded (for fairseq, its own "Translated ... in S s"). The
-hypotheses of each system are compared with the incremental search's, sentence by sentence after
-SentencePiece decoding. The full-recompute search is the reference kept in tests/reference_search.py
-(run from a checkout); fairseq needs `bash scripts/setup_fairseq_env.sh`.
+Every system gets the same beam, length penalty, length limits, sentences per batch, threads and heap
+settings (pipeline/heap.py), and the systems take turns round by round, so a noisy machine slows them
+alike. Times are of decoding alone: model loading and start-up are excluded (for fairseq, its own
+"Translated ... in S s"). The hypotheses of each system are compared with the incremental search's,
+sentence by sentence after SentencePiece decoding. The full-recompute search is the reference kept in
+tests/reference_search.py (run from a checkout); fairseq needs `bash scripts/setup_fairseq_env.sh`.
 
     python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30]
 
@@ -36,6 +36,7 @@ import torch
 
 from model.config import ConfigError, exit_on_config_error
 from pipeline.corpus import BinarizedCorpus
+from pipeline.heap import decoding_env, keep_freed_blocks
 from pipeline.to_fairseq import main as export_main
 from pipeline.translate import Translator, add_model_args
 
@@ -105,7 +106,9 @@ class Fairseq:
             "--lenpen", str(args.lenpen), "--max-len-a", str(args.max_len_a), "--max-len-b", str(args.max_len_b),
             "--batch-size", str(args.batch_size),
         ]  # fmt: skip
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+        # the same threads and heap settings as ours
+        threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+        self.env = {**os.environ, **threads, **decoding_env()}
         self.detokenizer = translator.detokenizer
 
     def __call__(self) -> tuple[float, list[str]]:
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         depth_main(argv[1:])
         return
     args = parse_args(argv)
+    keep_freed_blocks()
     with exit_on_config_error():
         results = run(args)
     print(table(results))
@@ -215,6 +219,7 @@ def depth_main(argv: list[str] | None = None) -> None:
     from model.search import beam_search
 
     args = parse_depth_args(argv)
+    keep_freed_blocks()
     torch.set_num_threads(args.threads)
     searches = {"incremental": beam_search, "full": None}
     systems = args.systems.split(",")

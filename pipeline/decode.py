@@ -79,7 +79,7 @@ class StageDecoder(CachedRows):
 
     def __init__(self, stage: Stage, src_tokens: torch.Tensor, beam: int):
         self.stage, self.beam = stage, beam
-        super().__init__(DecoderCache(stage.decoder_layers), src_tokens, self.encode(src_tokens), beam)
+        super().__init__(DecoderCache(stage.decoder_layers, beam), src_tokens, self.encode(src_tokens))
 
     def receive(self, *shape: int) -> torch.Tensor:
         stage = self.stage

@@ -19,6 +19,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from model.config import exit_on_config_error
 from pipeline.checkpoint import write_atomic
 from pipeline.corpus import BinarizedCorpus
+from pipeline.heap import keep_freed_blocks
 from pipeline.prepare import read_lines
 from pipeline.translate import Translator, add_model_args
 
@@ -45,6 +46,7 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str], float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    keep_freed_blocks()
     with exit_on_config_error():
         hypotheses, references, seconds = translate(args)
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,6 +36,7 @@ from pipeline.config import RunConfig, TrainConfig, load_config
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
 from pipeline.decode import bleu_set, valid_bleu
+from pipeline.heap import heap_for_decoding, return_freed_tensors
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.memory import current_bytes, report_peaks
@@ -49,7 +47,6 @@ from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, mas
 
 METRICS_FILE = "metrics.jsonl"
 TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -162,41 +159,6 @@ def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads())
         release_shm_buffer()
-        return_freed_tensors()
-
-
-RETURNED_BLOCKS = 128 * 1024  # bytes: training hands freed blocks larger than this back to the system
-DECODING_BLOCKS = 64 * 1024 * 1024  # while decoding, blocks up to this size stay in the heap
-
-
-def set_mmap_threshold(size: int) -> None:
-    """glibc's mmap threshold: blocks over `size` bytes are mapped fresh and unmapped when freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, size)
-
-
-def return_freed_tensors() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in
-    its heap: a CPU run then peaks ~20% above the bytes it uses (measured on a 44M-parameter ZeRO-1
-    run: 1.71 vs 1.40 GiB). A fixed threshold hands every block over 128 KiB back when freed."""
-    set_mmap_threshold(RETURNED_BLOCKS)
-
-
-@contextmanager
-def heap_for_decoding() -> Iterator[None]:
-    """Beam search frees and allocates blocks of a few MiB at every output position; mapped fresh each
-    time, their page faults made decoding 1.5-1.8x slower (measured on the Multi30k model), so they stay
-    in the heap while it runs (on CPUs; GPU memory is CUDA's)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    set_mmap_threshold(DECODING_BLOCKS)
-    try:
-        yield
-    finally:
         return_freed_tensors()
 
 

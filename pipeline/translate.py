@@ -28,6 +28,7 @@ from model.transformer import Transformer
 from pipeline.checkpoint import check_vocab, load_reference, write_atomic
 from pipeline.corpus import PreparedData, sentencepiece_model
 from pipeline.data import length_batches, with_eos
+from pipeline.heap import keep_freed_blocks
 from pipeline.prepare import decode_lines, read_lines
 
 SearchFn = Callable[..., list[Hypothesis]]
@@ -172,6 +173,7 @@ def print_scores(hypotheses: list[str], references: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    keep_freed_blocks()
     with exit_on_config_error():
         lines = read_input(args.input)
         references = read_references(args.reference, len(lines)) if args.reference else None

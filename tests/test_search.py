@@ -6,6 +6,7 @@ import functools
 import pytest
 import torch
 
+import model.cache
 from model import SCHEMES, ModelConfig, Transformer
 from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
@@ -118,6 +119,17 @@ def test_incremental_search_with_shared_tables_and_learned_positions(share):
     want = full_recompute_search(model, src, beam=3, lenpen=1.0, max_len_b=5)
     assert_same_hypotheses(beam_search(model, src, beam=3, lenpen=1.0, max_len_b=5), want)
     assert_ends_vary(want, 5)
+
+
+def test_caches_that_grow_mid_search(monkeypatch):
+    """A cache starts with room for FIRST_CAPACITY positions and doubles it: growing while beams are
+    re-ranked and sentences leave the batch keeps every prefix."""
+    monkeypatch.setattr(model.cache, "FIRST_CAPACITY", 1)
+    net, src = briefly_trained("pre_ln"), batch_of(SOURCES)
+    want = full_recompute_search(net, src, beam=4, lenpen=0.6, max_len_b=9)
+    assert_same_hypotheses(beam_search(net, src, beam=4, lenpen=0.6, max_len_b=9), want)
+    assert max(len(h.tokens) for h in want) > 2  # 4 positions fed: the caches grew from 2 to 6
+    assert_ends_vary(want, 9)
 
 
 class CountingDecoder(ModelDecoder):

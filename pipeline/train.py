@@ -39,6 +39,7 @@ from pipeline.decode import bleu_set, valid_bleu
 from pipeline.heap import heap_for_decoding, return_freed_tensors
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.logs import read_jsonl, write_record
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
@@ -136,13 +137,12 @@ class MetricsLog:
         self.path, self.enabled = path, enabled
         if enabled and path.exists():
             # Steps after the checkpoint we resume from will be trained again: drop their old lines.
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            write_atomic(path, "".join(line + "\n" for line in kept))
+            kept = [record for record in read_jsonl(path) if record.get("step", 0) <= resume_step]
+            write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            write_record(self.path, record)
 
 
 def _float(value: Any) -> float | None:

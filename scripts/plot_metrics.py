@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -11,6 +10,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+
+from model.config import exit_on_config_error  # noqa: E402
+from pipeline.logs import read_jsonl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,7 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.run) / "metrics.jsonl"
     if not path.exists():
         sys.exit(f"fathom: error: {path}: no such file; pass the train.save_dir of a run")
-    records = [json.loads(line) for line in path.read_text().splitlines()]
+    with exit_on_config_error():
+        records = read_jsonl(path)
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]
 

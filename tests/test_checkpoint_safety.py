@@ -15,6 +15,7 @@ from pipeline import commit
 from pipeline.checkpoint import deepspeed_state_types, load_file
 from pipeline.corpus import BinarizedCorpus
 from pipeline.generate import main as generate_main
+from pipeline.logs import read_jsonl
 from pipeline.train import main
 from tests.conftest import ROOT, launch
 
@@ -194,3 +195,16 @@ def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice):
     assert "Traceback" not in output, output[-3000:]
     assert (run / "config.json").read_bytes() == config_before
     assert commit.latest_tag(run) == "global_step2"
+
+
+def test_resume_drops_a_metrics_line_torn_by_a_crash(run, multi30k_slice):
+    """A crash while rank 0 appends to metrics.jsonl leaves its last line cut short: --resume goes on,
+    dropping it with one warning, and the log ends whole."""
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 4.1, "grad_no')
+    result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=3"), "--resume")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    warnings = [line for line in output.splitlines() if "fathom: warning:" in line]
+    assert len(warnings) == 1 and "metrics.jsonl: line 3 is cut short" in warnings[0], output[-3000:]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3]

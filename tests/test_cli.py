@@ -34,12 +34,34 @@ def test_generate_rejects_an_unknown_subset_and_data_dir(tmp_path, capsys, multi
     )
 
 
-def test_plot_metrics_writes_a_png(tmp_path):
+def plot_metrics(run) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/plot_metrics.py", str(run)], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_plot_metrics_writes_a_png(tmp_path, torn):
+    """A crash while rank 0 appends a line leaves it cut short: the plot leaves it out, with a warning."""
     rows = [{"step": s, "loss": 5.0 / s} for s in range(1, 21)] + [{"step": 10, "valid_loss": 0.7}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    subprocess.run([sys.executable, "scripts/plot_metrics.py", str(tmp_path)], cwd=ROOT, check=True)
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "metrics.jsonl").write_text(text + ('{"step": 21, "lo' if torn else ""))
+    result = plot_metrics(tmp_path)
+    assert result.returncode == 0, result.stderr
     png = (tmp_path / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    warnings = [line for line in result.stderr.splitlines() if "fathom: warning:" in line]
+    assert len(warnings) == int(torn) and all("line 22 is cut short" in w for w in warnings), result.stderr
+
+
+def test_plot_metrics_refuses_a_log_damaged_before_its_end(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo\n{"step": 3, "loss": 4.0}\n')
+    result = plot_metrics(tmp_path)
+    assert result.returncode == 2 and not (tmp_path / "loss.png").exists()
+    log = tmp_path / "metrics.jsonl"
+    assert result.stderr.strip() == (
+        f"fathom: error: {log}: line 2 is not a JSON record; the log is damaged: remove that line"
+    )
 
 
 def test_readme_scheme_table_is_the_registrys():

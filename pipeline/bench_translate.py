@@ -116,10 +116,10 @@ class Fairseq:
         if result.returncode != 0:
             raise RuntimeError(f"fairseq-generate failed:\n{result.stderr[-3000:]}")
         hypotheses = {}
-        for line in result.stdout.splitlines():
+        for line in result.stdout.split("\n"):  # a hypothesis may hold U+2028
             if line.startswith("H-"):
                 index, _, pieces = line.split("\t")
-                hypotheses[int(index[2:])] = self.detokenizer.decode_pieces(pieces.split())
+                hypotheses[int(index[2:])] = self.detokenizer.decode_pieces(pieces.split(" "))
         seconds = float(TRANSLATED.search(result.stdout + result.stderr)[3])
         return seconds, [hypotheses[i] for i in range(self.sentences)]
 

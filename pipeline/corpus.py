@@ -49,7 +49,8 @@ class Dictionary:
     @classmethod
     def load(cls, path: str | Path) -> Dictionary:
         symbols, counts = [], []
-        for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: a piece may hold U+2028
+        for lineno, line in enumerate(lines[:-1] if lines[-1] == "" else lines, 1):
             symbol, _, count = line.rstrip().rpartition(" ")
             if not symbol or not count.isdigit():
                 raise ConfigError(f"{path}:{lineno}: expected 'token count', got {line!r}")

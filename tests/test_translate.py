@@ -11,8 +11,11 @@ import torch
 from model import ModelConfig, Transformer
 from pipeline.corpus import PreparedData
 from pipeline.generate import main as generate_main
+from pipeline.generate import parse_args as parse_generate_args
+from pipeline.generate import translate as generate_translate
+from pipeline.prepare import main as prepare_main
 from pipeline.translate import main as translate_main
-from tests.conftest import ROOT, write_run
+from tests.conftest import ROOT, write_run, write_slice
 
 SEARCH = ["--beam", "3", "--lenpen", "0.6", "--max-len-b", "6"]
 
@@ -132,3 +135,28 @@ def test_a_data_directory_of_another_vocabulary_is_refused(capsys, monkeypatch, 
     other = write_run(Transformer(cfg), tmp_path / "other")
     err = refused(capsys, monkeypatch, other, multi30k_slice, b"Ein Hund.\n")
     assert "the model was trained with 40/40" in err
+
+
+SEPARATORS = "\u2028\u2029\x85\x0c\x1c\x1d\x1e\x0b"  # str.splitlines splits on each; a corpus line may hold them
+
+
+def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp_path):
+    """Text is split on newlines only, from prepare_data to the references generate.py scores against and
+    translate.py's input: a separator inside a line must not shift the references against the hypotheses."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    prefixes = [write_slice(raw, "train", 200), write_slice(raw, "test_2016_flickr", 12)]
+    for lang in ("de", "en"):
+        lines = (raw / f"test_2016_flickr.{lang}").read_text(encoding="utf-8").split("\n")[:-1]
+        lines = [f"{line[:8]}{SEPARATORS[i % len(SEPARATORS)]}{line[8:]}" for i, line in enumerate(lines)]
+        (raw / f"test_2016_flickr.{lang}").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    data = tmp_path / "data"
+    prepare_main(["--src", "de", "--tgt", "en", "--train", prefixes[0], "--valid", prefixes[1], "--test", prefixes[1]]
+                 + ["--vocab-size", "300", "--out", str(data)])  # fmt: skip
+    run = untrained_run(data, tmp_path / "run")
+    args = parse_generate_args(["--checkpoint", str(run), "--data", str(data), "--subset", "test", *SEARCH])
+    hypotheses, references, _ = generate_translate(args)
+    assert references == lines and len(hypotheses) == 12
+    capsys.readouterr()
+    stdin = (raw / "test_2016_flickr.de").read_bytes()
+    assert len(translate(capsys, monkeypatch, run, data, stdin).out.split("\n")) == 12 + 1

@@ -2,7 +2,8 @@
 
 A data directory written by scripts/prepare_data.py holds, for languages SRC and TGT:
 
-    meta.json                   languages, splits, sizes, filtering counts
+    meta.json                   languages, splits, sizes, filtering counts, and the size and SHA-256
+                                of every other file, verified before use
     dict.SRC.txt, dict.TGT.txt  fairseq dictionaries (`token count` per line)
     spm.model | spm.SRC.model, spm.TGT.model   SentencePiece model(s)
     SPLIT.LANG.bin              token ids of every sentence, concatenated (memory-mapped)
@@ -12,7 +13,9 @@ A data directory written by scripts/prepare_data.py holds, for languages SRC and
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -90,9 +93,17 @@ def write_indexed(prefix: Path, sequences: list[list[int]], dtype: np.dtype) -> 
 class IndexedDataset:
     """Sentences of token ids, read from a memory-mapped file: a corpus larger than RAM works."""
 
-    def __init__(self, prefix: Path, dtype: str):
-        self.offsets = np.load(prefix.with_name(prefix.name + ".idx.npy"))
-        self.data = np.memmap(prefix.with_name(prefix.name + ".bin"), dtype=dtype, mode="r")
+    def __init__(self, index: Path, data: Path, dtype: str):
+        try:
+            self.offsets = np.load(index)
+        except (ValueError, OSError, EOFError) as err:
+            raise ConfigError(f"{index}: not an index ({err}); the file is damaged: {RERUN}") from None
+        self.data = np.memmap(data, dtype=dtype, mode="r") if data.stat().st_size else np.zeros(0, dtype)
+        if self.offsets.ndim != 1 or len(self.offsets) == 0 or self.offsets[-1] != len(self.data):
+            raise ConfigError(
+                f"{data}: {len(self.data)} tokens, but {index.name} indexes {self.offsets[-1:].sum()}; the files "
+                "are damaged or from different data: rerun scripts/prepare_data.py"
+            )
         self.lengths = np.diff(self.offsets)
 
     def __len__(self) -> int:
@@ -103,28 +114,79 @@ class IndexedDataset:
         return torch.from_numpy(self.data[start:stop].astype(np.int64))
 
 
-def sentencepiece_model(data: str | Path, lang: str) -> Path:
-    """The SentencePiece model for `lang` in a prepared data directory (joint or per language)."""
-    for name in (f"spm.{lang}.model", "spm.model"):
-        if (Path(data) / name).exists():
-            return Path(data) / name
-    raise ConfigError(f"{data}: no SentencePiece model (spm.model or spm.{lang}.model); run scripts/prepare_data.py")
+def file_record(path: Path) -> dict[str, int | str]:
+    """What meta.json keeps of a file prepare_data wrote: its size and SHA-256."""
+    with path.open("rb") as f:
+        return {"bytes": path.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+
+RERUN = "rerun scripts/prepare_data.py"
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json, with the keys every reader relies on."""
+    if not path.is_file():
+        raise ConfigError(f"{path.parent}: not a prepared data directory (no meta.json); run scripts/prepare_data.py")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid JSON ({err}); the data directory is damaged: {RERUN}") from None
+    required = {"src": str, "tgt": str, "dtype": str, "splits": dict}
+    for key, kind in required.items():
+        if not isinstance(meta, dict) or not isinstance(meta.get(key), kind):
+            raise ConfigError(f"{path}: no {kind.__name__} '{key}'; the data directory is damaged: {RERUN}")
+    for name, split in meta["splits"].items():
+        if not isinstance(split, dict) or not isinstance(split.get("pairs"), int):
+            raise ConfigError(f"{path}: split '{name}' has no pair count; the data directory is damaged: {RERUN}")
+    if meta["dtype"] not in ("uint16", "int32"):
+        raise ConfigError(f"{path}: dtype {meta['dtype']!r}; the data directory is damaged: {RERUN}")
+    return meta
 
 
 class PreparedData:
-    """A prepared data directory's languages and dictionaries: what translating raw text needs."""
+    """A prepared data directory's languages and dictionaries: what translating raw text needs. Every file
+    is verified against meta.json before use: present, of its size, of its checksum."""
 
     def __init__(self, path: str | Path):
-        path = Path(path)
-        meta_file = path / "meta.json"
-        if not meta_file.exists():
-            raise ConfigError(f"{path}: not a prepared data directory (no meta.json); run scripts/prepare_data.py")
-        self.path = path
-        self.meta = json.loads(meta_file.read_text())
+        self.path = Path(path)
+        self.meta = read_meta(self.path / "meta.json")
+        self.files: dict[str, dict] | None = self.meta.get("files")
+        if self.files is None:
+            print(
+                f"fathom: warning: {self.path}: prepared by an older fathom, without checksums: its files are not "
+                f"verified; {RERUN} to have them verified",
+                file=sys.stderr,
+            )
         self.src, self.tgt = self.meta["src"], self.meta["tgt"]
-        self.src_dict = Dictionary.load(path / f"dict.{self.src}.txt")
-        self.tgt_dict = Dictionary.load(path / f"dict.{self.tgt}.txt")
+        self.src_dict = Dictionary.load(self.verified(f"dict.{self.src}.txt"))
+        self.tgt_dict = Dictionary.load(self.verified(f"dict.{self.tgt}.txt"))
         self.src_vocab_size, self.tgt_vocab_size = len(self.src_dict), len(self.tgt_dict)
+
+    def verified(self, name: str) -> Path:
+        """The directory's file `name`, once checked to be the very file prepare_data wrote there."""
+        path = self.path / name
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing from the data directory; {RERUN}")
+        if self.files is None:
+            return path
+        if name not in self.files:
+            raise ConfigError(f"{path}: not a file prepare_data wrote here (not in meta.json); {RERUN}")
+        expected, size = self.files[name], path.stat().st_size
+        if size != expected.get("bytes"):
+            raise ConfigError(
+                f"{path}: {size} bytes, but prepare_data wrote {expected.get('bytes')}; the file is damaged or "
+                f"from other data: {RERUN}"
+            )
+        if file_record(path) != expected:
+            raise ConfigError(f"{path}: fails its checksum; the file is damaged or from other data: {RERUN}")
+        return path
+
+    def sentencepiece_model(self, lang: str) -> Path:
+        """The SentencePiece model for `lang` (joint or per language)."""
+        for name in (f"spm.{lang}.model", "spm.model"):
+            if (self.path / name).exists():
+                return self.verified(name)
+        raise ConfigError(f"{self.path}: no SentencePiece model (spm.model or spm.{lang}.model); {RERUN}")
 
 
 class BinarizedCorpus(PreparedData):
@@ -135,8 +197,15 @@ class BinarizedCorpus(PreparedData):
         path = self.path
         if split not in self.meta["splits"]:
             raise ConfigError(f"{path}: no split '{split}'; it has {', '.join(self.meta['splits'])}")
-        self.sources = IndexedDataset(path / f"{split}.{self.src}", self.meta["dtype"])
-        self.targets = IndexedDataset(path / f"{split}.{self.tgt}", self.meta["dtype"])
+        self.split = split
+        self.sources, self.targets = (self.sentences(lang) for lang in (self.src, self.tgt))
+        if len(self.sources) != len(self.targets) or len(self.sources) != self.meta["splits"][split]["pairs"]:
+            raise ConfigError(
+                f"{path}: split '{split}' has {len(self.sources)} source and {len(self.targets)} target sentences, "
+                f"meta.json says {self.meta['splits'][split]['pairs']} pairs; the data directory is damaged: {RERUN}"
+            )
+        if len(self.sources) == 0:
+            raise ConfigError(f"{path}: split '{split}' has no pairs; {RERUN} with data for it")
         for lang, sentences, size in (
             (self.src, self.sources, self.src_vocab_size),
             (self.tgt, self.targets, self.tgt_vocab_size),
@@ -146,6 +215,14 @@ class BinarizedCorpus(PreparedData):
                     f"{path}/{split}.{lang}.bin: token id {largest}, but dict.{lang}.txt has {size} entries; the "
                     "dictionary does not belong to this data: rerun scripts/prepare_data.py"
                 )
+
+    def sentences(self, lang: str) -> IndexedDataset:
+        prefix = f"{self.split}.{lang}"
+        return IndexedDataset(self.verified(f"{prefix}.idx.npy"), self.verified(f"{prefix}.bin"), self.meta["dtype"])
+
+    def references(self) -> Path:
+        """The split's target side as raw text: what translations are scored against."""
+        return self.verified(f"{self.split}.raw.{self.tgt}")
 
     def __len__(self) -> int:
         return len(self.sources)

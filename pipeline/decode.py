@@ -36,7 +36,7 @@ from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, 
 from model.transformer import module_names
 from pipeline.checkpoint import write_atomic
 from pipeline.config import ValidBleu
-from pipeline.corpus import BinarizedCorpus, sentencepiece_model
+from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus, length_batches, with_eos
 from pipeline.layers import layer_specs
 from pipeline.prepare import read_lines
@@ -161,14 +161,14 @@ class BleuSet:
     detokenize: Callable[[list[int]], str]
 
 
-def bleu_set(corpus: ParallelCorpus, data_path: str | None, sentences: int) -> BleuSet:
+def bleu_set(corpus: ParallelCorpus, sentences: int) -> BleuSet:
     """The first `sentences` validation pairs (0: all). Prepared data is scored as sacreBLEU would score
     translations of the raw text (SentencePiece removed); the synthetic task's token ids are its words."""
     count = len(corpus) if sentences == 0 else min(sentences, len(corpus))
     sources = [corpus.pair(i)[0] for i in range(count)]
     if isinstance(corpus, BinarizedCorpus):
-        pieces = spm.SentencePieceProcessor(model_file=str(sentencepiece_model(data_path, corpus.tgt)))
-        references = read_lines(corpus.path / f"valid.raw.{corpus.tgt}")[:count]
+        pieces = spm.SentencePieceProcessor(model_file=str(corpus.sentencepiece_model(corpus.tgt)))
+        references = read_lines(corpus.references())[:count]
         return BleuSet(sources, references, lambda ids: pieces.decode_pieces(corpus.tgt_dict.decode(ids)))
     references = [" ".join(map(str, corpus.pair(i)[1].tolist())) for i in range(count)]
     return BleuSet(sources, references, lambda ids: " ".join(map(str, ids)))

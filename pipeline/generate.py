@@ -40,7 +40,7 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str], float]:
     tick = time.perf_counter()
     found = translator.search(sources, progress=f"translating {args.subset}")
     seconds = time.perf_counter() - tick
-    references = read_lines(Path(args.data) / f"{args.subset}.raw.{corpus.tgt}")
+    references = read_lines(corpus.references())
     return [translator.detokenize(h) for h in found], references, seconds
 
 

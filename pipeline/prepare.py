@@ -23,7 +23,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from model.config import ConfigError, exit_on_config_error
-from pipeline.corpus import Dictionary, write_indexed
+from pipeline.corpus import Dictionary, file_record, write_indexed
 from pipeline.staging import check_out, staged
 
 
@@ -124,6 +124,8 @@ def prepare(args: argparse.Namespace) -> dict:
     check_out(out, args.force)
     if args.vocab_size < 8:
         raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
+    if args.max_len < 1:
+        raise ConfigError(f"--max-len: must be at least 1 piece, got {args.max_len}")
     prefixes = {"train": args.train, "valid": args.valid}
     prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
     splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
@@ -161,6 +163,10 @@ def prepare(args: argparse.Namespace) -> dict:
                 pieces["train", lang] = [p for i, p in enumerate(pieces["train", lang]) if i not in drop]
                 setattr(train, side, [x for i, x in enumerate(getattr(train, side)) if i not in drop])
             train.dropped_long = len(long)
+        if not train.src:
+            raise ConfigError(
+                f"train: no pairs left ({len(long)} over --max-len {args.max_len} dropped); raise --max-len"
+            )
 
         counts = {lang: Counter() for lang in (args.src, args.tgt)}
         for lang in counts:
@@ -178,7 +184,8 @@ def prepare(args: argparse.Namespace) -> dict:
             for side, lang in (("src", args.src), ("tgt", args.tgt)):
                 ids = [dictionaries[lang].encode(p) for p in pieces[split.name, lang]]
                 write_indexed(tmp / f"{split.name}.{lang}", ids, np.dtype(dtype))
-                (tmp / f"{split.name}.raw.{lang}").write_text("".join(x + "\n" for x in getattr(split, side)))
+                raw = "".join(x + "\n" for x in getattr(split, side))
+                (tmp / f"{split.name}.raw.{lang}").write_text(raw, encoding="utf-8")
 
         meta = {
             "src": args.src,
@@ -195,6 +202,7 @@ def prepare(args: argparse.Namespace) -> dict:
                 }
                 for s in splits
             },
+            "files": {f.name: file_record(f) for f in sorted(tmp.iterdir())},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta

@@ -43,7 +43,7 @@ from pipeline.checkpoint import (
     missing_layer_files,
     model_config,
 )
-from pipeline.corpus import BinarizedCorpus, sentencepiece_model
+from pipeline.corpus import BinarizedCorpus
 from pipeline.data import collate
 from pipeline.hooks import ScheduleHook
 from pipeline.layers import Modules, layer_specs, run_layer
@@ -250,7 +250,7 @@ class Export:
         if splits is None:
             splits = [split for split in corpus.meta["splits"] if split != "train"]
         check_vocab(self.checkpoint.parent, self.cfg, corpus, data)
-        spm_files = sorted({sentencepiece_model(data, lang) for lang in (corpus.src, corpus.tgt)})
+        spm_files = sorted({corpus.sentencepiece_model(lang) for lang in (corpus.src, corpus.tgt)})
         batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
         state, difference = self.fairseq_state(batch)
         summary = {

@@ -289,7 +289,7 @@ class Validation:
         corpus = build_corpus(cfg, "valid")
         self.batches = eval_batches(corpus, cfg.batch_size)
         bleu = cfg.train.valid_bleu
-        self.bleu_set = bleu_set(corpus, cfg.data.path, bleu.sentences) if bleu else None
+        self.bleu_set = bleu_set(corpus, bleu.sentences) if bleu else None
 
     def __call__(self, step: int) -> dict[str, Any]:
         self.watchdog.progress(f"validation after step {step}")

@@ -26,7 +26,7 @@ from model.config import ConfigError, exit_on_config_error
 from model.search import Hypothesis, beam_search
 from model.transformer import Transformer
 from pipeline.checkpoint import check_vocab, load_reference, write_atomic
-from pipeline.corpus import PreparedData, sentencepiece_model
+from pipeline.corpus import PreparedData
 from pipeline.data import length_batches, with_eos
 from pipeline.heap import keep_freed_blocks
 from pipeline.prepare import decode_lines, read_lines
@@ -83,7 +83,7 @@ class Translator:
         check_vocab(args.checkpoint, self.model.cfg, self.data, args.data)
         self.args = args
         self.tokenizer, self.detokenizer = (
-            spm.SentencePieceProcessor(model_file=str(sentencepiece_model(args.data, lang)))
+            spm.SentencePieceProcessor(model_file=str(self.data.sentencepiece_model(lang)))
             for lang in (self.data.src, self.data.tgt)
         )
 

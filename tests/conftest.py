@@ -72,6 +72,20 @@ def multi30k_slice(tmp_path_factory) -> Path:
     return out
 
 
+def edit_prepared(data: Path, name: str, edit) -> None:
+    """Rewrites a file of a prepared data directory with edit(its lines) and records it in meta.json, as if
+    prepare_data had written it: data that is consistent, but not the data a run was trained on."""
+    import json
+
+    from pipeline.corpus import file_record
+
+    path = data / name
+    path.write_text("".join(line + "\n" for line in edit(path.read_text().splitlines())))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["files"][name] = file_record(path)
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
 def logged_steps(save_dir: Path) -> list[dict]:
     """Every value metrics.jsonl logged, step by step, but the timing."""
     import json

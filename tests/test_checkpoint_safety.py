@@ -17,7 +17,7 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.generate import main as generate_main
 from pipeline.logs import read_jsonl
 from pipeline.train import main
-from tests.conftest import ROOT, launch
+from tests.conftest import ROOT, edit_prepared, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
@@ -110,9 +110,7 @@ def other_dictionary(multi30k_slice, tmp_path) -> Path:
     data = tmp_path / "data"
     shutil.copytree(multi30k_slice, data)
     for name in ("dict.de.txt", "dict.en.txt"):
-        lines = (data / name).read_text().splitlines()
-        lines[10], lines[11] = lines[11], lines[10]
-        (data / name).write_text("\n".join(lines) + "\n")
+        edit_prepared(data, name, lambda lines: [*lines[:10], lines[11], lines[10], *lines[12:]])
     return data
 
 
@@ -129,8 +127,7 @@ def test_resume_and_generate_refuse_a_dictionary_the_run_was_not_trained_with(
 def test_data_binarized_with_another_dictionary_is_refused(multi30k_slice, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(multi30k_slice, data)
-    lines = (data / "dict.en.txt").read_text().splitlines()
-    (data / "dict.en.txt").write_text("\n".join(lines[:16]) + "\n")
+    edit_prepared(data, "dict.en.txt", lambda lines: lines[:16])
     with pytest.raises(ConfigError, match=r"train\.en\.bin: token id \d+, but dict\.en\.txt has 20 entries"):
         BinarizedCorpus(data, "train")
 

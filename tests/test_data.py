@@ -2,15 +2,19 @@
 
 import gzip
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from model.config import EOS, NUM_SPECIAL, PAD
-from pipeline.corpus import BinarizedCorpus, Dictionary
+from model.config import EOS, NUM_SPECIAL, PAD, ConfigError
+from pipeline.corpus import BinarizedCorpus, Dictionary, file_record, write_indexed
 from pipeline.data import BatchSize, MicroBatches, epoch_batches
+from pipeline.generate import main as generate_main
 from pipeline.prepare import main as prepare_main
-from tests.conftest import MULTI30K, write_slice
+from pipeline.train import main as train_main
+from tests.conftest import MULTI30K, ROOT, write_slice
 
 
 def prepare(tmp_path, train, valid, *extra):
@@ -22,7 +26,7 @@ def expect_error(capsys, tmp_path, train, valid, *extra):
     with pytest.raises(SystemExit) as exc:
         prepare(tmp_path, train, valid, *extra)
     assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.split("\r")[-1].strip()  # after the progress bars, cleared as they end
     assert len(err.splitlines()) == 1, err
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
     assert not leftovers, f"half-written output left behind: {leftovers}"
@@ -145,8 +149,108 @@ def test_token_budget_resumes_mid_epoch(multi30k_slice):
 
 
 def test_budget_below_longest_pair_is_a_config_error(multi30k_slice):
-    from model.config import ConfigError
-
     corpus = BinarizedCorpus(multi30k_slice, "train")
     with pytest.raises(ConfigError, match="data.max_tokens: 10 is below the longest training pair"):
         MicroBatches(corpus, BatchSize(max_tokens=10), seed=1)
+
+
+def test_prepare_refuses_to_write_a_split_with_no_pairs(tmp_path, capsys):
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    err = expect_error(capsys, tmp_path, train, valid, "--max-len", "1")
+    assert err == "fathom: error: train: no pairs left (100 over --max-len 1 dropped); raise --max-len"
+    (tmp_path / "val.en").write_text("\n" * 20)
+    assert "val: no pair with text on both sides" in expect_error(capsys, tmp_path, train, valid)
+    assert not (tmp_path / "out").exists()
+
+
+def damaged_copy(data, tmp_path, damage) -> Path:
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    damage(copy)
+    return copy
+
+
+def truncate(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+
+
+def without_checksums(data: Path) -> None:
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["files"]
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
+DAMAGE = {
+    # train.de.bin cut to an even size: every offset still "fits" a shorter sentence
+    "truncated": (lambda d: truncate(d / "train.de.bin", 600), "train.de.bin: 600 bytes, but prepare_data wrote"),
+    "flipped byte": (lambda d: flip_a_byte(d / "train.en.bin"), "train.en.bin: fails its checksum"),
+    "foreign file": (
+        lambda d: shutil.copy(d / "valid.de.bin", d / "train.de.bin"),
+        "train.de.bin: 3920 bytes, but prepare_data wrote 24980",
+    ),
+    "missing dictionary": (lambda d: (d / "dict.en.txt").unlink(), "dict.en.txt: missing from the data directory"),
+    "missing index": (lambda d: (d / "train.de.idx.npy").unlink(), "train.de.idx.npy: missing from the data"),
+    "bad meta.json": (lambda d: truncate(d / "meta.json", 100), "meta.json: not valid JSON"),
+    "meta.json without splits": (
+        lambda d: (d / "meta.json").write_text('{"src": "de", "tgt": "en", "dtype": "uint16"}'),
+        "meta.json: no dict 'splits'; the data directory is damaged",
+    ),
+    # an older data directory has no checksums; the index still catches a truncated .bin
+    "truncated, no checksums": (
+        lambda d: (without_checksums(d), truncate(d / "train.de.bin", 600)),
+        "train.de.bin: 300 tokens, but train.de.idx.npy indexes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_data_directory_is_one_line_before_training(case, multi30k_slice, tmp_path, capsys, monkeypatch):
+    damage, message = DAMAGE[case]
+    data = damaged_copy(multi30k_slice, tmp_path, damage)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", f"data.path={data}"]
+    with pytest.raises(SystemExit) as exc:
+        train_main([*config, f"train.save_dir={tmp_path / 'run'}"])
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "fathom: error: " in line]
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["flipped byte", "missing dictionary"])
+def test_a_damaged_data_directory_is_one_line_for_generate(case, multi30k_slice, tmp_path, capsys):
+    damage, message = DAMAGE[case]
+    data = damaged_copy(multi30k_slice, tmp_path, damage)
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--checkpoint", str(tmp_path), "--data", str(data), "--subset", "train"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_references_are_verified_before_scoring(multi30k_slice, tmp_path):
+    """A reference file edited after preparation would be scored against silently."""
+    data = damaged_copy(multi30k_slice, tmp_path, lambda d: flip_a_byte(d / "test.raw.en"))
+    with pytest.raises(ConfigError, match="test.raw.en: fails its checksum"):
+        BinarizedCorpus(data, "test").references()
+
+
+def test_a_split_with_no_pairs_is_refused_where_it_is_read(multi30k_slice, tmp_path):
+    def empty_valid(d: Path) -> None:
+        meta = json.loads((d / "meta.json").read_text())
+        for lang in ("de", "en"):
+            write_indexed(d / f"valid.{lang}", [], np.dtype(meta["dtype"]))
+            for name in (f"valid.{lang}.bin", f"valid.{lang}.idx.npy"):
+                meta["files"][name] = file_record(d / name)
+        meta["splits"]["valid"]["pairs"] = 0
+        (d / "meta.json").write_text(json.dumps(meta))
+
+    data = damaged_copy(multi30k_slice, tmp_path, empty_valid)
+    with pytest.raises(ConfigError, match="split 'valid' has no pairs"):
+        BinarizedCorpus(data, "valid")

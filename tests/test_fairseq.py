@@ -18,7 +18,7 @@ from pipeline import from_fairseq, to_fairseq
 from pipeline.checkpoint import load_reference
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import collate
-from tests.conftest import ROOT, launch
+from tests.conftest import ROOT, edit_prepared, launch
 
 EXPORTED = ["post_ln", "pre_ln", "deepnorm", "branchnorm", "admin"]
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -321,8 +321,7 @@ def test_bad_checkpoints_and_data_fail_in_one_line(runs, multi30k_slice, tmp_pat
     out = tmp_path / "out"
     wrong_data = tmp_path / "data"
     shutil.copytree(multi30k_slice, wrong_data)
-    lines = (wrong_data / "dict.de.txt").read_text().splitlines()
-    (wrong_data / "dict.de.txt").write_text("\n".join(lines[:-8]) + "\n")
+    edit_prepared(wrong_data, "dict.de.txt", lambda lines: lines[:-8])
     message = failure(
         capsys, to_fairseq.main, "--checkpoint", str(runs / "post_ln"), "--data", str(wrong_data), "--out", str(out)
     )

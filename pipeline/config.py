@@ -1,12 +1,12 @@
 """One JSON file per experiment: DeepSpeed's own keys at top level plus our `model`, `data`, `train`.
 
-Everything is checked here, before any process trains: DeepSpeed ignores unknown top-level
-keys, so a typo in one of our sections would otherwise silently train the wrong model.
+Everything is checked here, before any process trains: DeepSpeed ignores keys it does not know, so a
+typo anywhere would otherwise silently train the wrong model (pipeline/deepspeed_keys.py checks
+DeepSpeed's sections against what the pinned DeepSpeed reads).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,28 +16,10 @@ import torch
 
 from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
 from pipeline.data import BatchSize, SyntheticConfig
+from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
 
 OUR_SECTIONS = ("model", "data", "train")
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py
-# DeepSpeed's documented top-level keys (0.19). DeepSpeed ignores a key it does not know, so a typo such
-# as "gradient_clip" would silently train without clipping; one close to a key here is refused. Keys far
-# from all of them pass through: a newer DeepSpeed may know them.
-DEEPSPEED_KEYS = frozenset(
-    """train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
-    communication_data_type seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor
-    sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping zero_optimization zero_allow_untested_optimizer
-    zero_force_ds_cpu_optimizer steps_per_print wall_clock_breakdown dump_state memory_breakdown flops_profiler
-    activation_checkpointing sparse_attention data_efficiency curriculum_learning tensorboard wandb csv_monitor
-    comet comms_logger elasticity autotuning compression_training checkpoint data_types aio nebula pipeline
-    hybrid_engine weight_quantization compile eigenvalue progressive_layer_drop quantize_training timers
-    graph_harvesting dataloader_drop_last disable_allgather load_universal_checkpoint use_node_local_storage
-    gradient_allreduce_op expert_parallel vocabulary_size seed""".split()
-)
-# DeepSpeed's pipeline keys, plus fathom's `partition`; every one is known, so any other is a mistake.
-PIPELINE_KEYS = frozenset(
-    """stages partition seed_layers activation_checkpoint_interval pipe_partitioned grad_partitioned
-    use_reentrant""".split()
-)
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
@@ -205,16 +187,13 @@ def _require_int(ds: dict[str, Any], key: str, minimum: int = 1) -> int | None:
 def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
     """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
     world_size None: not launched (e.g. planning); assume one pipeline replica."""
-    for key in ds:
-        close = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.8)
-        if key not in DEEPSPEED_KEYS and close:
-            raise ConfigError(f"{key}: not a DeepSpeed key (DeepSpeed would ignore it); did you mean '{close[0]}'?")
+    check_deepspeed_keys(ds, OUR_SECTIONS)
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
     for key in pipeline:
-        if key not in PIPELINE_KEYS:
-            raise unknown_key_error(f"pipeline.{key}", PIPELINE_KEYS)
+        if key not in pipeline_keys():
+            raise unknown_key_error(f"pipeline.{key}", pipeline_keys())
     stages = _require_int(pipeline, "stages")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:

@@ -69,7 +69,11 @@ CASES = [
         lambda raw: raw.update(fp16={"enabled": True}, zero_optimization={"stage": 0}),
         "fp16.enabled: DeepSpeed never scales the loss for fp16 without ZeRO; set zero_optimization.stage to 1",
     ),
-    (set_key(["gradient_clip"], 1.0), "gradient_clip: not a DeepSpeed key (DeepSpeed would ignore it); did you mean"),
+    (
+        set_key(["gradient_clip"], 1.0),
+        "gradient_clip: neither a section of fathom's (model, data, train) nor a key DeepSpeed reads; did you mean "
+        "'gradient_clipping'?",
+    ),
     (
         set_key(["pipeline", "activation_checkpointing_interval"], 1),
         "pipeline.activation_checkpointing_interval: unknown key; did you mean 'activation_checkpoint_interval'?",
@@ -79,6 +83,41 @@ CASES = [
     (lambda raw: raw.pop("train"), "train: missing section"),
     (set_key(["pipeline", "use_reentrant"], True), "pipeline.use_reentrant: reentrant activation checkpointing fails"),
 ]
+
+
+# Typos at every level, as --override gives them (a study's grid is overrides): each would otherwise train
+# another model than the one asked for, or the default setting, silently (issue 16).
+TYPOS = {
+    "modle.encoder_layers=2": "modle: neither a section of fathom's (model, data, train) nor a key DeepSpeed reads; "
+    "did you mean 'model'?",
+    "trian.max_steps=5": "trian: neither a section of fathom's",
+    "Model.encoder_layers=24": "did you mean 'model'?",
+    "optimizer.param.lr=0.1": "optimizer.param: not a key DeepSpeed reads (it would ignore it); did you mean 'params'?",
+    "optimizer.params.lrr=0.1": "optimizer.params.lrr: not an argument of Adam; did you mean 'lr'?",
+    "optimizer.type=Adamm": "optimizer.type: 'Adamm' is neither DeepSpeed's nor torch's; did you mean 'Adam'?",
+    "scheduler.params.warmup_num_step=10": "scheduler.params.warmup_num_step: not an argument of WarmupLR; "
+    "did you mean 'warmup_num_steps'?",
+    "scheduler.type=WarmupDecay": "scheduler.type: 'WarmupDecay' is not a DeepSpeed scheduler; use one of",
+    "zero_optimization.stagee=1": "zero_optimization.stagee: not a key DeepSpeed knows; did you mean 'stage'?",
+    "zero_optimization=1": "zero_optimization: DeepSpeed reads it as an object ({...}), got 1",
+    "zero_optimization.offload_optimizer.pin_memroy=true": "zero_optimization.offload_optimizer.pin_memroy: not a "
+    "key DeepSpeed knows; did you mean 'pin_memory'?",
+    "zero_optimization.stage=x": "zero_optimization.stage: Input should be 0, 1, 2, 3",
+    "bf16.enable=true": "bf16.enable: not a key DeepSpeed knows; did you mean 'enabled'?",
+    "activation_checkpointing.partition_activation=true": "activation_checkpointing.partition_activation: not a key "
+    "DeepSpeed reads (it would ignore it); did you mean 'partition_activations'?",
+    "flops_profiler.enable=true": "flops_profiler.enable: not a key DeepSpeed reads",
+    "model.branchnorm.TT=5": "model.branchnorm.TT: unknown key; did you mean 'T'?",
+    "train.valid_bleu.beem=4": "train.valid_bleu.beem: unknown key",
+    "data.synthetic.word=5": "data.synthetic.word: unknown key; did you mean 'words'?",
+}
+
+
+@pytest.mark.parametrize("override", list(TYPOS))
+def test_a_typo_at_any_level_is_one_line(tmp_path, capsys, monkeypatch, override):
+    err = fail(capsys, ["--config", str(write_config(tmp_path)), "--override", override], monkeypatch=monkeypatch)
+    assert TYPOS[override] in err
+    assert not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("mutate, message", CASES, ids=[c[1].split(":")[0] for c in CASES])

@@ -1,0 +1,248 @@
+"""DeepSpeed's own config sections, checked before launch the way the pinned DeepSpeed reads them.
+
+DeepSpeed silently ignores a key it never looks up (a misspelled `gradient_clipping` trains with the
+default clipping), and what it does refuse (its pydantic sections, optimizer and scheduler arguments)
+it refuses only once the engine starts, as a traceback on every rank. Nothing here is a hand-kept
+list of keys: DeepSpeedConfig parses the run's sections from a dict that records every key it looks
+up, so a key it never looked at is one it does not know; its pydantic sections validate themselves;
+optimizer and scheduler arguments are compared with the signatures of the classes it will build.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+from collections.abc import Callable, ItemsView, KeysView, ValuesView
+from typing import Any
+
+from model.config import ConfigError
+
+# Read outside DeepSpeedConfig, by deepspeed.initialize itself (deepspeed/__init__.py, 0.19.8).
+READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
+# Sections fathom checks itself (pipeline: pipeline/config.py), or hands to a constructor (params).
+OWN_CHECKS = frozenset({"pipeline", "optimizer.params", "scheduler.params"})
+
+
+class Recording(dict):
+    """A config section that notes the keys looked up in it, and whether it was read whole."""
+
+    def __init__(self, data: dict, path: str = "", seen: dict[str, set[str]] | None = None):
+        self.path, self.seen = path, {} if seen is None else seen
+        self.seen.setdefault(path, set())
+        super().__init__(
+            {k: Recording(v, self._child(k), self.seen) if isinstance(v, dict) else v for k, v in data.items()}
+        )
+
+    def _child(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else str(key)
+
+    def _note(self, key: Any) -> None:
+        self.seen[self.path].add(key)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self._note(key)
+        return super().__contains__(key)
+
+    def __iter__(self):  # noqa: ANN204 (iterated over: a pydantic model, a ** expansion; every key handed on)
+        self.seen[self.path].update(dict.keys(self))
+        return super().__iter__()
+
+    # Views through the methods above: `key in d.keys()` notes one key, iterating notes them all.
+    def keys(self) -> KeysView:
+        return KeysView(self)
+
+    def items(self) -> ItemsView:
+        return ItemsView(self)
+
+    def values(self) -> ValuesView:
+        return ValuesView(self)
+
+    def __copy__(self) -> Recording:
+        twin = Recording.__new__(Recording)
+        dict.update(twin, dict.items(self))
+        twin.path, twin.seen = self.path, self.seen
+        return twin
+
+
+def pipeline_keys() -> set[str]:
+    """The pipeline section's keys: DeepSpeedConfig's (it takes the section whole, over its defaults, so
+    it refuses none) and use_reentrant, which PipelineEngine reads itself. `partition` is fathom's too."""
+    from deepspeed.runtime.config import get_pipeline_config
+
+    return set(get_pipeline_config({})) | {"use_reentrant"}
+
+
+def closest(key: str, known: set[str] | frozenset[str]) -> str:
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> None:
+    """Every key of DeepSpeed's sections is one the pinned DeepSpeed reads, with a value it accepts."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = copy.deepcopy(ds)
+    # DeepSpeed checks the batch sizes against the data-parallel size of the process group, which does
+    # not exist yet (it assumes 1); pipeline/config.py has checked them against the real one.
+    if all(k in probe for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
+        probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+    recording = Recording(probe)
+    try:
+        DeepSpeedConfig(recording)
+    except Exception as err:  # noqa: BLE001 (whatever DeepSpeed raises becomes one line)
+        raise ConfigError(deepspeed_error(err, probe, ds)) from None
+    for path, value in sections(ds):
+        if path in OWN_CHECKS or not isinstance(value, dict):
+            continue
+        known = recording.seen.get(path, set())
+        if path == "":
+            known = known | READ_BY_INITIALIZE | set(our_sections)
+        for key in value:
+            if key in known:
+                continue
+            if not path:
+                raise ConfigError(
+                    f"{key}: neither a section of fathom's ({', '.join(our_sections)}) nor a key DeepSpeed reads"
+                    f"{closest(key, known)}"
+                )
+            raise ConfigError(f"{path}.{key}: not a key DeepSpeed reads (it would ignore it){closest(key, known)}")
+    check_constructor_args(ds)
+
+
+def sections(ds: dict[str, Any], path: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, value) of the config and of each object in it."""
+    found = [(path, ds)]
+    for key, value in ds.items():
+        if isinstance(value, dict):
+            found += sections(value, f"{path}.{key}" if path else key)
+    return found
+
+
+def deepspeed_error(err: Exception, probe: dict[str, Any], ds: dict[str, Any]) -> str:
+    """DeepSpeed's refusal of a section as one line naming the key."""
+    from pydantic import ValidationError
+
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        path = locate(ds, loc) or ".".join(loc)
+        if first["type"] == "extra_forbidden":
+            return f"{path}: not a key DeepSpeed knows{closest(loc[-1], model_fields(err.title, loc[:-1]))}"
+        return f"{path}: {first['msg']} (got {first.get('input')!r})"
+    if isinstance(err, TypeError) and (section := scalar_section(probe)) is not None:
+        return f"{section}: DeepSpeed reads it as an object ({{...}}), got {ds[section]!r}"
+    return f"DeepSpeed refuses the config: {str(err).strip().split(chr(10))[0]}"
+
+
+def scalar_section(probe: dict[str, Any]) -> str | None:
+    """The top-level key given a plain value where DeepSpeed unpacks an object (e.g. zero_optimization=1):
+    the one whose replacement by {} makes DeepSpeedConfig's TypeError go away."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for key, value in probe.items():
+        if isinstance(value, dict):
+            continue
+        try:
+            DeepSpeedConfig({**probe, key: {}})
+        except TypeError:
+            continue
+        except Exception:  # noqa: BLE001 (past the TypeError: that key was it)
+            return key
+        return key
+    return None
+
+
+def locate(ds: dict[str, Any], loc: list[str]) -> str | None:
+    """The dotted path of the section holding `loc` (pydantic names keys from its own model down)."""
+    for path, value in sections(ds):
+        node = value
+        for part in loc[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and loc[-1] in node:
+            return ".".join(filter(None, [path, *loc]))
+    return None
+
+
+def model_fields(title: str, loc: list[str]) -> set[str]:
+    """The field names (and aliases) of DeepSpeed's pydantic model `title`, or of its sub-model at `loc`."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    def subclasses(cls: type) -> list[type]:
+        return [cls] + [s for sub in cls.__subclasses__() for s in subclasses(sub)]
+
+    model = next((cls for cls in subclasses(DeepSpeedConfigModel) if cls.__name__ == title), None)
+    for part in loc:
+        field = None if model is None else model.model_fields.get(part)
+        model = None if field is None else next(iter(submodels(field.annotation)), None)
+    if model is None:
+        return set()
+    return {name for key, field in model.model_fields.items() for name in (key, field.alias) if name}
+
+
+def submodels(annotation: Any) -> list[type]:
+    from pydantic import BaseModel
+
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in submodels(arg)]
+
+
+def parameters(*builders: Callable) -> set[str]:
+    """Keyword arguments the constructors accept, besides what DeepSpeed passes itself."""
+    names = set()
+    for builder in builders:
+        names.update(inspect.signature(builder).parameters)
+    return names - {"self", "params", "optimizer", "args", "kwargs"}
+
+
+def check_constructor_args(ds: dict[str, Any]) -> None:
+    """optimizer.params and scheduler.params become keyword arguments of the classes DeepSpeed builds:
+    one it does not take is a TypeError on every rank at launch."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import ADAM_OPTIMIZER, ADAMW_OPTIMIZER, DEEPSPEED_OPTIMIZERS, TORCH_ADAM_PARAM
+
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("type"), str):
+        name = optimizer["type"]
+        accepted: set[str] | None = None
+        if name.lower() in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):
+            # which class depends on torch_adam and offloading (deepspeed/runtime/engine.py); any of them
+            accepted = parameters(torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam)
+            accepted |= {TORCH_ADAM_PARAM, "adam_w_mode", "fp32_optimizer_states"}
+        elif name.lower() not in DEEPSPEED_OPTIMIZERS:
+            builder = getattr(torch.optim, name, None)
+            if not inspect.isclass(builder) or not issubclass(builder, torch.optim.Optimizer):
+                known = {ADAM_OPTIMIZER.capitalize(), "AdamW", *DEEPSPEED_OPTIMIZERS}
+                raise ConfigError(f"optimizer.type: {name!r} is neither DeepSpeed's nor torch's{closest(name, known)}")
+            accepted = parameters(builder)
+        check_arguments("optimizer", name, optimizer.get("params", {}), accepted)
+    scheduler = ds.get("scheduler")
+    if isinstance(scheduler, dict):
+        name = scheduler.get("type")
+        if name not in lr_schedules.VALID_LR_SCHEDULES:
+            choices = ", ".join(lr_schedules.VALID_LR_SCHEDULES)
+            raise ConfigError(f"scheduler.type: {name!r} is not a DeepSpeed scheduler; use one of {choices}")
+        if "params" not in scheduler:
+            raise ConfigError(
+                'scheduler.params: missing; give the scheduler\'s arguments, e.g. {"warmup_num_steps": 1000}'
+            )
+        check_arguments("scheduler", name, scheduler["params"], parameters(getattr(lr_schedules, name)))
+
+
+def check_arguments(section: str, name: str, params: Any, accepted: set[str] | None) -> None:
+    if not isinstance(params, dict):
+        raise ConfigError(f"{section}.params: expected an object of arguments, got {params!r}")
+    for key in params:
+        if accepted is not None and key not in accepted:
+            raise ConfigError(f"{section}.params.{key}: not an argument of {name}{closest(key, accepted)}")

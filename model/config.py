@@ -140,6 +140,8 @@ class ModelConfig:
         for key in ("encoder_layers", "decoder_layers", "embed_dim", "ffn_dim", "attention_heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key}: must be at least 1, got {getattr(self, key)}")
+        if self.max_positions < 2:  # a token and its eos
+            raise ConfigError(f"model.max_positions: must be at least 2, got {self.max_positions}")
         if self.embed_dim % self.attention_heads:
             raise ConfigError(
                 f"model.embed_dim: {self.embed_dim} is not divisible by model.attention_heads "

@@ -8,6 +8,8 @@ DeepSpeed's sections against what the pinned DeepSpeed reads).
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,10 @@ class TrainConfig:
     grad_norm_interval: int = 0
 
     def __post_init__(self) -> None:
+        if not self.save_dir.strip():
+            raise ConfigError("train.save_dir: empty; name the directory for checkpoints, e.g. checkpoints/run")
+        if not 0 <= self.seed < 2**31:
+            raise ConfigError(f"train.seed: must be in [0, 2^31), got {self.seed}")
         for key in ("max_steps", "save_interval", "log_interval", "valid_interval", "grad_norm_interval"):
             least = 1 if key in ("save_interval", "log_interval") else 0
             if getattr(self, key) < least:
@@ -177,10 +183,10 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def _require_int(ds: dict[str, Any], key: str, minimum: int = 1) -> int | None:
+def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = "") -> int | None:
     value = ds.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{section}{key}: expected an integer >= {minimum}, got {value!r}")
     return value
 
 
@@ -194,15 +200,18 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     for key in pipeline:
         if key not in pipeline_keys():
             raise unknown_key_error(f"pipeline.{key}", pipeline_keys())
-    stages = _require_int(pipeline, "stages")
+    stages = _require_int(pipeline, "stages", section="pipeline.")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:
         raise ConfigError(
             f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
         )
-    partition = pipeline.get("partition", DEFAULT_PARTITION)
-    if not (partition in ("cost", "uniform", "parameters") or str(partition).startswith("type:")):
-        raise ConfigError(f"pipeline.partition: {partition!r}; use cost, uniform, parameters or type:REGEX")
+    check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
+    _require_int(pipeline, "activation_checkpoint_interval", minimum=0, section="pipeline.")
+    _require_int(ds, "steps_per_print")
+    clipping = ds.get("gradient_clipping", 0.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
+        raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
     # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
     if pipeline.setdefault("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
@@ -260,9 +269,38 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         )
 
 
+def check_partition(partition: Any, cfg: ModelConfig) -> None:
+    """cost, uniform, parameters, or type:REGEX matching some layer's class as DeepSpeed matches it."""
+    if partition in ("cost", "uniform", "parameters"):
+        return
+    if not isinstance(partition, str) or not partition.startswith("type:"):
+        raise ConfigError(f"pipeline.partition: {partition!r}; use cost, uniform, parameters or type:REGEX")
+    try:
+        pattern = re.compile(partition[len("type:") :], re.IGNORECASE)
+    except re.error as err:
+        raise ConfigError(f"pipeline.partition: {partition!r} is not a regular expression ({err})") from None
+    from pipeline.layers import layer_specs  # DeepSpeed's LayerSpecs: imported where needed
+
+    names = {spec.typename.__name__ for _, spec in layer_specs(cfg)}
+    if not any(pattern.search(name) for name in names):
+        raise ConfigError(
+            f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"
+        )
+
+
+def check_finite(node: Any, path: str = "") -> None:
+    """NaN or infinity (JSON's NaN, Infinity) is no setting of fathom's or DeepSpeed's."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{path}: {node} is not a finite number")
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in children:
+        check_finite(value, f"{path}.{key}" if path else str(key))
+
+
 def load_config(path: str | Path, overrides: list[str] = (), world_size: int | None = 1) -> RunConfig:
     raw = read_json(path)
     apply_overrides(raw, list(overrides))
+    check_finite(raw)
     ds = {k: v for k, v in raw.items() if k not in OUR_SECTIONS}
     for section in OUR_SECTIONS:
         if section not in raw:

@@ -30,6 +30,15 @@ class ParallelCorpus(Protocol):
     def lengths(self) -> np.ndarray: ...
 
 
+def check_budget(lengths: np.ndarray, size: BatchSize) -> None:
+    """Every pair fits a micro-batch's token budget."""
+    if size.max_tokens is not None and lengths.max() > size.max_tokens:
+        raise ConfigError(
+            f"data.max_tokens: {size.max_tokens} is below the longest training pair ({lengths.max()} "
+            "tokens); raise it, or prepare the data with a smaller --max-len"
+        )
+
+
 @dataclass
 class SyntheticConfig:
     words: int = 16
@@ -38,6 +47,13 @@ class SyntheticConfig:
     min_len: int = 3
     max_len: int = 6
     seed: int = 1
+
+    def __post_init__(self) -> None:
+        for key, least in (("words", 1), ("sentences", 1), ("valid_sentences", 0), ("min_len", 1), ("seed", 0)):
+            if getattr(self, key) < least:
+                raise ConfigError(f"data.synthetic.{key}: must be at least {least}, got {getattr(self, key)}")
+        if self.max_len < self.min_len:
+            raise ConfigError(f"data.synthetic.max_len: {self.max_len} is below data.synthetic.min_len {self.min_len}")
 
 
 class SyntheticTranslation:
@@ -155,11 +171,7 @@ class MicroBatches:
     ):
         self.corpus, self.size, self.seed = corpus, size, seed
         self.lengths = corpus.lengths()
-        if size.max_tokens is not None and self.lengths.max() > size.max_tokens:
-            raise ConfigError(
-                f"data.max_tokens: {size.max_tokens} is below the longest training pair ({self.lengths.max()} "
-                "tokens); raise it, or prepare the data with a smaller --max-len"
-            )
+        check_budget(self.lengths, size)
         self.world = data_parallel_size
         self.next = start_step * accumulation * data_parallel_size + data_parallel_rank
         self.epoch, self.epoch_start = 0, 0

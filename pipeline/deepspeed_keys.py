@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
+import logging
 from collections.abc import Callable, ItemsView, KeysView, ValuesView
 from typing import Any
 
@@ -226,7 +227,12 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
                 known = {ADAM_OPTIMIZER.capitalize(), "AdamW", *DEEPSPEED_OPTIMIZERS}
                 raise ConfigError(f"optimizer.type: {name!r} is neither DeepSpeed's nor torch's{closest(name, known)}")
             accepted = parameters(builder)
-        check_arguments("optimizer", name, optimizer.get("params", {}), accepted)
+        params = optimizer.get("params", {})
+        check_arguments("optimizer", name, params, accepted)
+        if name.lower() in (ADAM_OPTIMIZER, ADAMW_OPTIMIZER):  # their values mean what torch's Adam's do
+            check_values("optimizer", torch.optim.AdamW, params)
+        elif name.lower() not in DEEPSPEED_OPTIMIZERS:
+            check_values("optimizer", getattr(torch.optim, name), params)
     scheduler = ds.get("scheduler")
     if isinstance(scheduler, dict):
         name = scheduler.get("type")
@@ -237,7 +243,9 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
             raise ConfigError(
                 'scheduler.params: missing; give the scheduler\'s arguments, e.g. {"warmup_num_steps": 1000}'
             )
-        check_arguments("scheduler", name, scheduler["params"], parameters(getattr(lr_schedules, name)))
+        builder = getattr(lr_schedules, name)
+        check_arguments("scheduler", name, scheduler["params"], parameters(builder))
+        check_values("scheduler", builder, scheduler["params"])
 
 
 def check_arguments(section: str, name: str, params: Any, accepted: set[str] | None) -> None:
@@ -246,3 +254,25 @@ def check_arguments(section: str, name: str, params: Any, accepted: set[str] | N
     for key in params:
         if accepted is not None and key not in accepted:
             raise ConfigError(f"{section}.params.{key}: not an argument of {name}{closest(key, accepted)}")
+
+
+def check_values(section: str, builder: Callable, params: dict[str, Any]) -> None:
+    """Builds the optimizer (on one dummy parameter) or the scheduler (of a dummy optimizer) with the
+    arguments its constructor accepts, so its own checks of their values run now, not at launch."""
+    import torch
+    from deepspeed.utils import logger
+
+    accepted = {k: v for k, v in params.items() if k in parameters(builder)}
+    weight = torch.nn.Parameter(torch.zeros(1))
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # a scheduler built outside an engine warns about its learning rate
+    try:
+        if inspect.isclass(builder) and issubclass(builder, torch.optim.Optimizer):
+            builder([weight], **accepted)
+        else:
+            builder(torch.optim.SGD([weight], lr=0.0), **accepted)
+    except Exception as err:  # noqa: BLE001 (the constructor's own refusal, as one line)
+        reason = str(err).strip().split("\n")[0] or type(err).__name__
+        raise ConfigError(f"{section}.params: {reason}") from None
+    finally:
+        logger.setLevel(level)

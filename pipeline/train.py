@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -34,7 +35,14 @@ from pipeline.checkpoint import (
 )
 from pipeline.config import RunConfig, TrainConfig, load_config
 from pipeline.corpus import BinarizedCorpus
-from pipeline.data import MicroBatch, MicroBatches, ParallelCorpus, SyntheticTranslation, eval_batches
+from pipeline.data import (
+    MicroBatch,
+    MicroBatches,
+    ParallelCorpus,
+    SyntheticTranslation,
+    check_budget,
+    eval_batches,
+)
 from pipeline.decode import bleu_set, valid_bleu
 from pipeline.heap import heap_for_decoding, return_freed_tensors
 from pipeline.hooks import ScheduleHook, StepHook
@@ -370,6 +378,31 @@ def run(
             commit.save(engine, save_dir, best.state(), best=False)
 
 
+def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
+    """Every training pair fits a micro-batch's token budget and the model's positions."""
+    lengths = corpus.lengths()
+    check_budget(lengths, cfg.batch_size)
+    if lengths.max() > cfg.model.max_positions:
+        raise ConfigError(
+            f"model.max_positions: {cfg.model.max_positions} is below the longest training pair ({lengths.max()} "
+            "tokens); raise it, or prepare the data with a smaller --max-len"
+        )
+
+
+def check_save_dir(save_dir: Path) -> None:
+    """A directory, or one that can be made: found out by making (and removing) a directory in the
+    nearest existing ancestor, which leaves nothing behind."""
+    if save_dir.exists() and not save_dir.is_dir():
+        raise ConfigError(f"train.save_dir: {save_dir} is a file; choose a directory")
+    existing = next(p for p in (save_dir.absolute(), *save_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"train.save_dir: {existing} is a file, so {save_dir} cannot be made; choose another")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".fathom-write-test-").cleanup()
+    except OSError as err:
+        raise ConfigError(f"train.save_dir: cannot write in {existing} ({err.strerror}); choose another") from None
+
+
 def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
     before launching); raises ConfigError."""
@@ -377,6 +410,12 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
     corpus = build_corpus(cfg)
     cfg.model = with_vocab(cfg.model, corpus)
     admin.check(cfg.model)
+    check_fits(corpus, cfg)
+    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:
+        raise ConfigError(
+            "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
+        )
+    check_save_dir(Path(cfg.train.save_dir))
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
     save_dir = Path(cfg.train.save_dir)

@@ -113,6 +113,47 @@ TYPOS = {
 }
 
 
+# Values that passed the start-up checks and then crashed every rank with a traceback, or trained silently
+# with something else (issue 16).
+VALUES = {
+    "optimizer.params.lr=NaN": "optimizer.params.lr: nan is not a finite number",
+    "train.hang_timeout=Infinity": "train.hang_timeout: inf is not a finite number",
+    "optimizer.params.lr=-1": "optimizer.params: Invalid learning rate: -1",
+    "optimizer.params.eps=-1": "optimizer.params: Invalid epsilon value: -1",
+    "scheduler.params.warmup_num_steps=-1": "scheduler.params: warmup_num_steps must be a positive integer, got -1",
+    "gradient_clipping=-1": "gradient_clipping: expected a number >= 0 (0: no clipping), got -1",
+    "steps_per_print=0": "steps_per_print: expected an integer >= 1, got 0",
+    "pipeline.partition=type:[": "pipeline.partition: 'type:[' is not a regular expression",
+    "pipeline.partition=type:Nothing": "pipeline.partition: 'type:Nothing' matches no layer; the layers are",
+    "pipeline.activation_checkpoint_interval=-1": "pipeline.activation_checkpoint_interval: expected an integer >= 0",
+    "data.synthetic.words=0": "data.synthetic.words: must be at least 1, got 0",
+    "data.synthetic.sentences=0": "data.synthetic.sentences: must be at least 1, got 0",
+    "data.synthetic.max_len=1": "data.synthetic.max_len: 1 is below data.synthetic.min_len 3",
+    "train.valid_interval=5 data.synthetic.valid_sentences=0": "train.valid_interval: the validation set is empty",
+    "model.max_positions=4": "model.max_positions: 4 is below the longest training pair (7 tokens)",
+    "train.seed=-1": "train.seed: must be in [0, 2^31), got -1",
+    "train.save_dir=": "train.save_dir: empty; name the directory for checkpoints",
+    "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
+}
+
+
+@pytest.mark.parametrize("overrides", list(VALUES))
+def test_a_bad_value_is_one_line_before_launch(tmp_path, capsys, monkeypatch, overrides):
+    args = ["--config", str(write_config(tmp_path)), "--override", *overrides.split()]
+    assert VALUES[overrides] in fail(capsys, args, monkeypatch=monkeypatch)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_save_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("mine")
+    for save_dir, message in ((tmp_path / "afile", "is a file; choose a directory"),
+                              (tmp_path / "afile" / "run", "is a file, so")):  # fmt: skip
+        args = ["--config", str(write_config(tmp_path)), "--override", f"train.save_dir={save_dir}"]
+        assert message in fail(capsys, args, monkeypatch=monkeypatch)
+    assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "afile", "exp.json"]  # fmt: skip
+
+
 @pytest.mark.parametrize("override", list(TYPOS))
 def test_a_typo_at_any_level_is_one_line(tmp_path, capsys, monkeypatch, override):
     err = fail(capsys, ["--config", str(write_config(tmp_path)), "--override", override], monkeypatch=monkeypatch)

@@ -11,9 +11,24 @@ from pathlib import Path
 from model.config import ConfigError
 
 
+def check_makeable(out: Path, name: str) -> None:
+    """`out` is a directory, or one that can be made: found out by making (and removing) a directory in
+    its nearest existing ancestor, which leaves nothing behind. `name`: the option that gave it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{name}: {out} is a file; choose a directory")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{name}: {existing} is a file, so {out} cannot be made; choose another")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".fathom-write-test-").cleanup()
+    except OSError as err:
+        raise ConfigError(f"{name}: cannot write in {existing} ({err.strerror}); choose another") from None
+
+
 def check_out(out: Path, force: bool) -> None:
-    """Fails on an existing, non-empty output directory unless --force."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    """Fails on an existing, non-empty output directory unless --force, and where none can be made."""
+    check_makeable(out, "--out")
+    if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{out}: already exists; choose a new --out or pass --force to replace it")
 
 

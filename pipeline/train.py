@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -51,6 +50,7 @@ from pipeline.logs import read_jsonl, write_record
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
+from pipeline.staging import check_makeable
 from pipeline.watchdog import Watchdog, backend_timeout
 from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
@@ -389,20 +389,6 @@ def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
         )
 
 
-def check_save_dir(save_dir: Path) -> None:
-    """A directory, or one that can be made: found out by making (and removing) a directory in the
-    nearest existing ancestor, which leaves nothing behind."""
-    if save_dir.exists() and not save_dir.is_dir():
-        raise ConfigError(f"train.save_dir: {save_dir} is a file; choose a directory")
-    existing = next(p for p in (save_dir.absolute(), *save_dir.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"train.save_dir: {existing} is a file, so {save_dir} cannot be made; choose another")
-    try:
-        tempfile.TemporaryDirectory(dir=existing, prefix=".fathom-write-test-").cleanup()
-    except OSError as err:
-        raise ConfigError(f"train.save_dir: cannot write in {existing} ({err.strerror}); choose another") from None
-
-
 def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
     before launching); raises ConfigError."""
@@ -415,7 +401,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
         raise ConfigError(
             "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
         )
-    check_save_dir(Path(cfg.train.save_dir))
+    check_makeable(Path(cfg.train.save_dir), "train.save_dir")
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
     save_dir = Path(cfg.train.save_dir)

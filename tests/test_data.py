@@ -254,3 +254,15 @@ def test_a_split_with_no_pairs_is_refused_where_it_is_read(multi30k_slice, tmp_p
     data = damaged_copy(multi30k_slice, tmp_path, empty_valid)
     with pytest.raises(ConfigError, match="split 'valid' has no pairs"):
         BinarizedCorpus(data, "valid")
+
+
+def test_force_onto_a_file_is_one_line_before_any_work(tmp_path, capsys):
+    """--force replaces a directory; a file there (or on the way) used to fail after all the work."""
+    train, valid = write_slice(tmp_path, "train", 50), write_slice(tmp_path, "val", 20)
+    (tmp_path / "out").write_text("mine")
+    assert "--out: " in expect_error(capsys, tmp_path, train, valid, "--force")
+    args = ["--src", "de", "--tgt", "en", "--train", train, "--valid", valid, "--vocab-size", "300", "--force"]
+    with pytest.raises(SystemExit):
+        prepare_main([*args, "--out", str(tmp_path / "out" / "sub")])
+    assert f"{tmp_path / 'out'} is a file, so" in capsys.readouterr().err
+    assert (tmp_path / "out").read_text() == "mine"

@@ -6,8 +6,9 @@ takes exactly `deepspeed`'s arguments. DeepSpeed's runner stops on a hostfile wi
 duplicate host with a ValueError traceback, and launches on this machine alone when the hostfile
 path does not exist. This front end reads the hostfile and --include/--exclude the way the runner
 will, computes the number of processes it will start, checks the run against that world size
-(everything scripts/train.py checks before training), then execs `deepspeed` with the same
-arguments. Each mistake is one line on stderr and exit status 2.
+(everything scripts/train.py checks before training), then runs DeepSpeed's runner (what the
+`deepspeed` command runs) with the same arguments. Each mistake is one line on stderr and exit status
+2; a Ctrl-C ends it without the runner's KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     with exit_on_config_error():
         world_size = preflight(argv)
-        if shutil.which("deepspeed") is None:
-            raise ConfigError("deepspeed: the launcher is not on PATH; install fathom's dependencies (make install)")
     print(f"fathom: checked; launching {world_size} processes", flush=True)
-    os.execvp("deepspeed", ["deepspeed", *argv])
+    try:
+        runner.main(argv)  # what the `deepspeed` command runs
+    except KeyboardInterrupt:  # Ctrl-C: the ranks say where they stopped; the runner would add a traceback
+        sys.exit(130)

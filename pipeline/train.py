@@ -51,6 +51,7 @@ from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
 from pipeline.staging import check_makeable
+from pipeline.stopping import stop_on_signals
 from pipeline.watchdog import Watchdog, backend_timeout
 from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
@@ -281,6 +282,7 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
 
     engine = build_engine(cfg)
     watchdog = Watchdog(save_dir, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
+    stop_on_signals(rank, save_dir, watchdog, lambda: engine.global_steps)
     try:
         run(engine, cfg, corpus, start(engine, cfg, corpus, resume), watchdog)
     finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
@@ -418,6 +420,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = launched_world()
+    stop_on_signals(world.rank)
     with exit_on_config_error(report=world.rank == 0):
         check_mpi_discovery()
         cfg, corpus = check_run(args, world.size)

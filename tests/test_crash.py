@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -134,3 +135,39 @@ def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
 
     assert_same_training(reference, run)
     assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and commit.read_manifest(p) is None]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM to the job"])
+def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
+    """Ctrl-C (SIGINT to the launcher and ranks, then the launcher's SIGTERM to the ranks), or a scheduler's
+    SIGTERM: one line from fathom naming the step and the checkpoint --resume continues from, no
+    traceback, no heartbeat or half-saved checkpoint left; --resume then finishes the run."""
+    save_dir = tmp_path / "run"
+    launch = command(save_dir, free_port())
+    if sig == signal.SIGINT:  # DeepSpeed's runner prints a KeyboardInterrupt traceback; fathom's front end not
+        launch[0:1] = [sys.executable, str(ROOT / "scripts" / "launch.py")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(launch, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while steps_done(save_dir) < 5 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("fathom: stopped")]
+    tag = commit.latest_tag(save_dir)
+    assert len(stopped) == 1 and re.fullmatch(
+        rf"fathom: stopped by {sig.name} after step \d+; the same command with --resume continues from {tag}",
+        stopped[0],
+    ), output[-3000:]
+    assert not rank_pids(save_dir) and not list(save_dir.glob("heartbeat-*")), output[-3000:]
+    assert_latest_whole(save_dir)
+    assert all(commit.read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
+    resumed = subprocess.run(command(save_dir, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert steps_done(save_dir) == STEPS

@@ -1,0 +1,55 @@
+"""Ctrl-C (SIGINT) or SIGTERM (a cluster's scheduler, or DeepSpeed's launcher passing a Ctrl-C on):
+every rank ends at once, no traceback, no heartbeat or half-saved checkpoint left behind, and global
+rank 0 says where the run stopped and how to go on.
+
+The launcher answers SIGINT by sending every rank SIGTERM, whose default action kills a process
+outright, so both signals get this handler. Python runs it between bytecodes: a rank waiting inside a
+collective gets there once its peer, gone, breaks the connection.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from pipeline.checkpoint import latest_tag
+from pipeline.commit import remove_uncommitted
+from pipeline.watchdog import HEARTBEAT_FILE, Watchdog
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals(rank: int, save_dir: Path | None = None, watchdog: Watchdog | None = None,
+                    steps_done: Callable[[], int] | None = None) -> None:  # fmt: skip
+    """From now on SIGINT and SIGTERM end this process with status 128 + signal. Before the run has a
+    save_dir (start-up), nothing needs cleaning; after, pass the run's save_dir, watchdog and step count."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:  # the launcher's SIGTERM follows a Ctrl-C's SIGINT: stop once
+            signal.signal(sig, signal.SIG_IGN)
+        if watchdog is not None:
+            watchdog.stop()  # its thread ends and its heartbeat file goes
+        if rank == 0:
+            print(f"fathom: stopped by {signal.Signals(signum).name} {where(save_dir, steps_done)}", file=sys.stderr)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def where(save_dir: Path | None, steps_done: Callable[[], int] | None) -> str:
+    """Where the run stopped and how to continue it; cleans what the stop left half-made (rank 0)."""
+    if save_dir is None or steps_done is None:
+        return "during start-up, before training; nothing was saved"
+    remove_uncommitted(save_dir)
+    for heartbeat in save_dir.glob(HEARTBEAT_FILE.format(rank="*")):  # peers stopping too, or killed
+        heartbeat.unlink(missing_ok=True)
+    tag = latest_tag(save_dir)
+    resume = f"the same command with --resume continues from {tag}" if tag else "no checkpoint was saved yet"
+    return f"after step {steps_done()}; {resume}"

@@ -92,10 +92,11 @@ def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> N
     from deepspeed.runtime.config import DeepSpeedConfig
 
     probe = copy.deepcopy(ds)
-    # DeepSpeed checks the batch sizes against the data-parallel size of the process group, which does
-    # not exist yet (it assumes 1); pipeline/config.py has checked them against the real one.
-    if all(k in probe for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")):
-        probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+    # DeepSpeed checks the batch sizes against the size of whatever process group exists (none before
+    # launch: it assumes 1), and derives train_batch_size when it is left out; pipeline/config.py has
+    # checked it against the real data-parallel size.
+    if "train_micro_batch_size_per_gpu" in probe:
+        probe.pop("train_batch_size", None)
     recording = Recording(probe)
     try:
         DeepSpeedConfig(recording)
@@ -105,6 +106,8 @@ def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> N
         if path in OWN_CHECKS or not isinstance(value, dict):
             continue
         known = recording.seen.get(path, set())
+        if path and not known:  # handed whole to a pydantic model, which refuses unknown keys itself
+            continue
         if path == "":
             known = known | READ_BY_INITIALIZE | set(our_sections)
         for key in value:

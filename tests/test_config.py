@@ -110,7 +110,15 @@ TYPOS = {
     "model.branchnorm.TT=5": "model.branchnorm.TT: unknown key; did you mean 'T'?",
     "train.valid_bleu.beem=4": "train.valid_bleu.beem: unknown key",
     "data.synthetic.word=5": "data.synthetic.word: unknown key; did you mean 'words'?",
+    "tensorboard.enabld=true": "tensorboard.enabld: not a key DeepSpeed knows; did you mean 'enabled'?",
 }
+
+
+def test_deepspeed_sections_it_validates_whole_pass(tmp_path, monkeypatch):
+    """Sections DeepSpeed hands whole to a pydantic model (its monitors) are that model's to check."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    csv = '{"enabled": true, "output_path": "/tmp/csv", "job_name": "run"}'
+    load_config(write_config(tmp_path), [f"csv_monitor={csv}", "tensorboard.enabled=false"], world_size=2)
 
 
 # Values that passed the start-up checks and then crashed every rank with a traceback, or trained silently

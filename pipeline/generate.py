@@ -21,6 +21,7 @@ from pipeline.checkpoint import write_atomic
 from pipeline.corpus import BinarizedCorpus
 from pipeline.heap import keep_freed_blocks
 from pipeline.prepare import read_lines
+from pipeline.staging import check_writable_file
 from pipeline.translate import Translator, add_model_args
 
 
@@ -47,9 +48,10 @@ def translate(args: argparse.Namespace) -> tuple[list[str], list[str], float]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     keep_freed_blocks()
-    with exit_on_config_error():
-        hypotheses, references, seconds = translate(args)
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
+    with exit_on_config_error():
+        check_writable_file(output, "--output")
+        hypotheses, references, seconds = translate(args)
     write_atomic(output, "".join(h + "\n" for h in hypotheses))
     bleu, chrf = BLEU(), CHRF()
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")

@@ -25,6 +25,20 @@ def check_makeable(out: Path, name: str) -> None:
         raise ConfigError(f"{name}: cannot write in {existing} ({err.strerror}); choose another") from None
 
 
+def check_writable_file(path: Path, name: str) -> None:
+    """`path` can be written (atomically, beside itself): not a directory, in a directory that takes new
+    files. Checked before the work that produces it."""
+    if path.is_dir():
+        raise ConfigError(f"{name} {path}: is a directory; name a file")
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise ConfigError(f"{name} {path}: cannot write in {folder} ({err.strerror}); choose another") from None
+
+
 def check_out(out: Path, force: bool) -> None:
     """Fails on an existing, non-empty output directory unless --force, and where none can be made."""
     check_makeable(out, "--out")

@@ -13,6 +13,7 @@ line longer than the model's positions is cut to fit, with one warning line nami
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ from pipeline.corpus import PreparedData
 from pipeline.data import length_batches, with_eos
 from pipeline.heap import keep_freed_blocks
 from pipeline.prepare import decode_lines, read_lines
+from pipeline.staging import check_writable_file
 
 SearchFn = Callable[..., list[Hypothesis]]
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,8 +55,10 @@ def check_search_args(args: argparse.Namespace) -> None:
     for option, value in (("--beam", args.beam), ("--batch-size", args.batch_size), ("--max-len-b", args.max_len_b)):
         if value < 1:
             raise ConfigError(f"{option}: must be at least 1, got {value}")
-    if args.max_len_a < 0:
-        raise ConfigError(f"--max-len-a: must not be negative, got {args.max_len_a}")
+    if not 0 <= args.max_len_a < math.inf:  # also refuses NaN
+        raise ConfigError(f"--max-len-a: must be a finite number >= 0, got {args.max_len_a}")
+    if not math.isfinite(args.lenpen):
+        raise ConfigError(f"--lenpen: must be a finite number, got {args.lenpen}")
 
 
 def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:
@@ -176,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     with exit_on_config_error():
         lines = read_input(args.input)
+        if args.output:
+            check_writable_file(Path(args.output), "--output")
         references = read_references(args.reference, len(lines)) if args.reference else None
         translator = Translator(args)
         translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -11,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from model.config import exit_on_config_error  # noqa: E402
+from model.config import ConfigError, exit_on_config_error  # noqa: E402
 from pipeline.logs import read_jsonl  # noqa: E402
 
 
@@ -22,9 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     path = Path(args.run) / "metrics.jsonl"
-    if not path.exists():
-        sys.exit(f"fathom: error: {path}: no such file; pass the train.save_dir of a run")
     with exit_on_config_error():
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such file; pass the train.save_dir of a run")
         records = read_jsonl(path)
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]

@@ -112,7 +112,8 @@ def refused(capsys, monkeypatch, run, data, stdin: bytes, *args) -> str:
         (b"Ein Hund.\n", ["--beam", "0"], "--beam: must be at least 1, got 0"),
         (b"Ein Hund.\n", ["--batch-size", "0"], "--batch-size: must be at least 1"),
         (b"Ein Hund.\n", ["--max-len-b", "0"], "--max-len-b: must be at least 1"),
-        (b"Ein Hund.\n", ["--max-len-a=-1"], "--max-len-a: must not be negative"),
+        (b"Ein Hund.\n", ["--max-len-a=-1"], "--max-len-a: must be a finite number >= 0, got -1.0"),
+        (b"Ein Hund.\n", ["--lenpen", "inf"], "--lenpen: must be a finite number, got inf"),
         (b"Ein Hund.\n", ["--tag", "global_step7"], "no checkpoint tagged 'global_step7'"),
         (b"Ein Hund.\n", ["--input", "/nonexistent.de"], "--input /nonexistent.de: no such file"),
         (b"Ein Hund.\nZwei Hunde.\n", ["--reference", "REF"], "1 lines for 2 input lines"),
@@ -160,3 +161,22 @@ def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp
     capsys.readouterr()
     stdin = (raw / "test_2016_flickr.de").read_bytes()
     assert len(translate(capsys, monkeypatch, run, data, stdin).out.split("\n")) == 12 + 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lenpen", "nan"], "--lenpen: must be a finite number, got nan"),
+        (["--max-len-a", "inf"], "--max-len-a: must be a finite number >= 0, got inf"),
+        (["--output", "/"], "--output /: is a directory; name a file"),
+        (["--output", "/proc/fathom.en"], "--output /proc/fathom.en: cannot write in /proc"),
+        (["--output", "/nonexistent-dir/out.txt"], "/nonexistent-dir is not a directory; create it or choose another"),
+    ],
+)
+def test_generate_refuses_bad_arguments_before_decoding(capsys, run, multi30k_slice, args, message):
+    """Each used to decode the whole split and then fail with a traceback (or, for NaN, score nonsense)."""
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err

@@ -37,6 +37,7 @@ import torch
 from model.config import ConfigError, exit_on_config_error
 from pipeline.corpus import BinarizedCorpus
 from pipeline.heap import decoding_env, keep_freed_blocks
+from pipeline.staging import check_writable_file
 from pipeline.to_fairseq import main as export_main
 from pipeline.translate import Translator, add_model_args
 
@@ -130,6 +131,10 @@ def run(args: argparse.Namespace) -> dict:
         raise ConfigError(f"--systems: unknown system '{unknown[0]}'; choose from {', '.join(SYSTEMS)}")
     if args.rounds < 1 or args.threads < 1:
         raise ConfigError("--rounds and --threads: must be at least 1")
+    if args.sentences < 0:
+        raise ConfigError(f"--sentences: must be at least 0 (0: the whole split), got {args.sentences}")
+    if args.json:
+        check_writable_file(Path(args.json), "--json")
     torch.set_num_threads(args.threads)
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args)

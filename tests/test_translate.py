@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from pipeline.bench_translate import main as bench_translate_main
 from pipeline.corpus import PreparedData
 from pipeline.generate import main as generate_main
 from pipeline.generate import parse_args as parse_generate_args
@@ -177,6 +178,22 @@ def test_generate_refuses_bad_arguments_before_decoding(capsys, run, multi30k_sl
     """Each used to decode the whole split and then fail with a traceback (or, for NaN, score nonsense)."""
     with pytest.raises(SystemExit) as exc:
         generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sentences", "-1"], "--sentences: must be at least 0 (0: the whole split), got -1"),
+        (["--json", "/proc/bench.json"], "--json /proc/bench.json: cannot write in /proc"),
+        (["--systems", "incremental,nope"], "--systems: unknown system 'nope'"),
+    ],
+)
+def test_bench_translate_refuses_bad_arguments_before_decoding(capsys, run, multi30k_slice, args, message):
+    with pytest.raises(SystemExit) as exc:
+        bench_translate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

@@ -164,36 +164,24 @@ def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp
     assert len(translate(capsys, monkeypatch, run, data, stdin).out.split("\n")) == 12 + 1
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--lenpen", "nan"], "--lenpen: must be a finite number, got nan"),
-        (["--max-len-a", "inf"], "--max-len-a: must be a finite number >= 0, got inf"),
-        (["--output", "/"], "--output /: is a directory; name a file"),
-        (["--output", "/proc/fathom.en"], "--output /proc/fathom.en: cannot write in /proc"),
-        (["--output", "/nonexistent-dir/out.txt"], "/nonexistent-dir is not a directory; create it or choose another"),
-    ],
-)
-def test_generate_refuses_bad_arguments_before_decoding(capsys, run, multi30k_slice, args, message):
-    """Each used to decode the whole split and then fail with a traceback (or, for NaN, score nonsense)."""
-    with pytest.raises(SystemExit) as exc:
-        generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err, err
+# Each used to decode the whole split and then fail with a traceback (or, for NaN, score nonsense).
+SPLIT_ARGS_REFUSED = [
+    (generate_main, ["--lenpen", "nan"], "--lenpen: must be a finite number, got nan"),
+    (generate_main, ["--max-len-a", "inf"], "--max-len-a: must be a finite number >= 0, got inf"),
+    (generate_main, ["--output", "/"], "--output /: is a directory; name a file"),
+    (generate_main, ["--output", "/proc/fathom.en"], "--output /proc/fathom.en: cannot write in /proc"),
+    (generate_main, ["--output", "/no-dir/out.txt"], "/no-dir is not a directory; create it or choose another"),
+    (bench_translate_main, ["--sentences", "-1"], "--sentences: must be at least 0 (0: the whole split), got -1"),
+    (bench_translate_main, ["--json", "/proc/bench.json"], "--json /proc/bench.json: cannot write in /proc"),
+    (bench_translate_main, ["--systems", "incremental,nope"], "--systems: unknown system 'nope'"),
+]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--sentences", "-1"], "--sentences: must be at least 0 (0: the whole split), got -1"),
-        (["--json", "/proc/bench.json"], "--json /proc/bench.json: cannot write in /proc"),
-        (["--systems", "incremental,nope"], "--systems: unknown system 'nope'"),
-    ],
-)
-def test_bench_translate_refuses_bad_arguments_before_decoding(capsys, run, multi30k_slice, args, message):
+@pytest.mark.parametrize("main, args, message", SPLIT_ARGS_REFUSED, ids=[" ".join(c[1]) for c in SPLIT_ARGS_REFUSED])
+def test_split_decoders_refuse_bad_arguments_before_decoding(capsys, run, multi30k_slice, main, args, message):
+    """generate.py and bench_translate.py, which decode a prepared split."""
     with pytest.raises(SystemExit) as exc:
-        bench_translate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
+        main(["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test", *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err

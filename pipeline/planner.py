@@ -351,7 +351,7 @@ def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages else [])]
+        overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages is not None else [])]
         cfg = load_config(args.config, overrides, world_size=None)
         for flag in ("data_parallel", "sentences", "length"):
             if getattr(args, flag) is not None and getattr(args, flag) < 1:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from pipeline import planner
 from pipeline.config import load_config
 from pipeline.memory import MEMORY_FILE
 from pipeline.planner import (
@@ -108,6 +109,14 @@ def test_sizes_and_bad_input():
     )  # fmt: skip
     assert result.returncode == 2
     assert "fathom: error: --gpu-memory 'lots': expected a size like 80GB or 40GiB" in result.stderr
+
+
+def test_stages_zero_is_refused_not_ignored(capsys):
+    """--stages 0 used to fall back to the config's stage count silently."""
+    with pytest.raises(SystemExit) as exc:
+        planner.main(["--config", str(ROOT / "ds_configs" / "default.json"), "--stages", "0"])
+    assert exc.value.code == 2
+    assert "pipeline.stages: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -197,9 +197,10 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
+    known = pipeline_keys()
     for key in pipeline:
-        if key not in pipeline_keys():
-            raise unknown_key_error(f"pipeline.{key}", pipeline_keys())
+        if key not in known:
+            raise unknown_key_error(f"pipeline.{key}", known)
     stages = _require_int(pipeline, "stages", section="pipeline.")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:

@@ -19,10 +19,15 @@ def check_makeable(out: Path, name: str) -> None:
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{name}: {existing} is a file, so {out} cannot be made; choose another")
+    check_writable_folder(existing, f"{name}:")
+
+
+def check_writable_folder(folder: Path, name: str) -> None:
+    """New entries can be made in `folder`: tried by making (and removing) one."""
     try:
-        tempfile.TemporaryDirectory(dir=existing, prefix=".fathom-write-test-").cleanup()
+        tempfile.TemporaryDirectory(dir=folder, prefix=".fathom-write-test-").cleanup()
     except OSError as err:
-        raise ConfigError(f"{name}: cannot write in {existing} ({err.strerror}); choose another") from None
+        raise ConfigError(f"{name} cannot write in {folder} ({err.strerror}); choose another") from None
 
 
 def check_writable_file(path: Path, name: str) -> None:
@@ -33,10 +38,7 @@ def check_writable_file(path: Path, name: str) -> None:
     folder = path.absolute().parent
     if not folder.is_dir():
         raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
-    try:
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as err:
-        raise ConfigError(f"{name} {path}: cannot write in {folder} ({err.strerror}); choose another") from None
+    check_writable_folder(folder, f"{name} {path}:")
 
 
 def check_out(out: Path, force: bool) -> None:

@@ -28,13 +28,19 @@ class ConfigError(ValueError):
 @contextmanager
 def exit_on_config_error(report: bool = True) -> Iterator[None]:
     """For command-line entry points: a ConfigError ends the process with its one line on stderr
-    (unless `report` is false, e.g. on every rank but the first) and exit status 2."""
+    (unless `report` is false, e.g. on every rank but the first) and exit status 2; a file that cannot
+    be read or written (a full disk, permissions) with the system's line and exit status 1."""
     try:
         yield
     except ConfigError as err:
         if report:
             print(f"fathom: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:
+        if report:
+            where = f"{err.filename}: " if err.filename else ""
+            print(f"fathom: error: {where}{err.strerror or err}", file=sys.stderr)
+        sys.exit(1)
 
 
 T = TypeVar("T")

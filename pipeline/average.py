@@ -44,6 +44,7 @@ from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import (
     CONFIG_FILE,
     LATEST,
+    damage,
     fsync_dir,
     global_step,
     latest_tag,
@@ -51,8 +52,10 @@ from pipeline.checkpoint import (
     load_file,
     missing_layer_files,
     model_config,
+    plain_name,
+    read_manifest,
 )
-from pipeline.commit import BEST, damage, read_manifest
+from pipeline.commit import BEST
 from pipeline.layers import layer_specs
 from pipeline.staging import staged
 
@@ -75,11 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--force", action="store_true", help="replace an existing output tag")
     return parser.parse_args(argv)
-
-
-def plain_name(tag: str) -> bool:
-    """Whether `tag` names a visible folder directly inside SAVE_DIR."""
-    return bool(tag) and Path(tag).name == tag and not tag.startswith(".")
 
 
 def latest_step(save_dir: Path) -> int:
@@ -263,7 +261,9 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     cfg = model_config(save_dir)
     chosen = named_checkpoints(save_dir, args.tags) if args.last is None else last_checkpoints(save_dir, args.last)
     checkpoints = by_step(chosen)
-    out_tag = args.out_tag or default_out_tag([path for _, path in checkpoints], args.last)
+    out_tag = args.out_tag
+    if out_tag is None:
+        out_tag = default_out_tag([path for _, path in checkpoints], args.last)
     check_out_tag(save_dir, out_tag, chosen, args.force)
     names = check_layer_files(cfg, chosen)
     return out_tag, average(save_dir, checkpoints, names, out_tag)

@@ -35,6 +35,7 @@ from torch import nn
 
 from model.config import NUM_SPECIAL, ConfigError, ModelConfig
 from model.loss import label_smoothed_cross_entropy
+from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
@@ -229,8 +230,9 @@ BUILDERS: dict[str, Callable[[ModelConfig, MicroBatch, torch.dtype], contextlib.
 
 
 def check(bench: Bench) -> None:
-    """Fails before anything is timed on what would fail later: a vocabulary of special symbols only,
-    an unknown peer, a torchscale comparison torchscale cannot run."""
+    """Fails before anything is timed on what would fail later: an unknown scheme, a vocabulary of
+    special symbols only, an unknown peer, a torchscale comparison torchscale cannot run."""
+    build_scheme(bench.model)
     if bench.model.tgt_vocab_size <= NUM_SPECIAL:
         raise ConfigError(f"--vocab: {bench.model.tgt_vocab_size} leaves no words beside {NUM_SPECIAL} special symbols")
     unknown = set(bench.peers) - set(PEERS)

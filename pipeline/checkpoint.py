@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,13 @@ DICTIONARIES_FILE = "dictionaries.json"
 
 def model_config(save_dir: str | Path) -> ModelConfig:
     path = Path(save_dir) / CONFIG_FILE
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"{save_dir}: not a training directory (no {CONFIG_FILE}); pass train.save_dir of a run")
-    return ModelConfig.from_dict(json.loads(path.read_text())["model"])
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text())["model"])
+    except (ValueError, KeyError, TypeError) as err:  # ConfigError is a ValueError: its line says more
+        detail = err if isinstance(err, ConfigError) else f"not a run's config ({type(err).__name__}: {err})"
+        raise ConfigError(f"{path}: {detail}; the run directory is damaged, restore config.json") from None
 
 
 def fsync_dir(path: Path) -> None:
@@ -45,15 +50,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old content or the new, never a partial file, whenever the writer dies."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Readers see the old content or the new, never a partial file, whenever the writer dies. A link's
+    target is replaced, not the link; a device or pipe (--output /dev/stdout) is written in place."""
+    try:
+        mode = "wb" if isinstance(text, bytes) else "w"
+        if path.exists() and not path.is_file():
+            with open(path, mode) as f:
+                f.write(text)
+            return
+        path = Path(os.path.realpath(path))
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, mode) as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:  # a full disk leaves no temporary file behind
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+    except OSError as err:  # a failed write or close names no file
+        raise OSError(err.errno, err.strerror, str(path)) from None
 
 
 def deepspeed_state_types() -> list[type]:
@@ -104,21 +122,64 @@ def latest_tag(save_dir: str | Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+def plain_name(tag: str) -> bool:
+    """Whether `tag` names a visible folder directly inside SAVE_DIR."""
+    return bool(tag) and Path(tag).name == tag and not tag.startswith(".")
+
+
 def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
     save_dir = Path(save_dir)
     if tag is None:
         tag = latest_tag(save_dir)
         if tag is None:
             raise ConfigError(f"{save_dir}: no '{LATEST}' file; pass a tag (one of the global_step* folders)")
+        if not plain_name(tag):
+            raise ConfigError(f"{save_dir / LATEST}: names '{tag}', not a tag; pass --tag (a global_step* folder)")
+    elif not plain_name(tag):
+        raise ConfigError(f"--tag: '{tag}' is not a tag; pass a folder name inside {save_dir}, e.g. best")
     path = save_dir / tag
     if not path.is_dir():
         raise ConfigError(f"{save_dir}: no checkpoint tagged '{tag}'")
     return path
 
 
+def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
+    """None for a checkpoint written before fathom committed checkpoints (or by plain DeepSpeed)."""
+    path = checkpoint / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
+    """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
+    against the zip archive's CRC-32s (torch's format), which reads the whole file."""
+    if not path.exists():
+        return f"{path}: missing; restore the file or start a new run"
+    if path.stat().st_size != entry["bytes"]:
+        return (
+            f"{path}: {path.stat().st_size} bytes, but {entry['bytes']} when it was saved; the file is truncated "
+            "or damaged: restore it or start a new run"
+        )
+    if read and entry["zip"]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except zipfile.BadZipFile:
+            bad = "the archive"
+        if bad is not None:
+            return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
+    return None
+
+
 def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = ()) -> Any:
     """torch.load that cannot run code (weights_only; `allowed` names the plain-data classes a format
-    needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling."""
+    needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling. A
+    file of a committed checkpoint is first checked against its manifest: torch.load reads flipped
+    bytes in a tensor without complaint."""
+    path = Path(path)
+    manifest = read_manifest(path.parent)
+    if manifest is not None and path.name in manifest["files"]:
+        if problem := damage(path, manifest["files"][path.name], read=True):
+            raise ConfigError(problem)
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location=map_location, weights_only=True)

@@ -35,11 +35,13 @@ from pipeline.checkpoint import (
     MANIFEST,
     check_same_model,
     check_vocab,
+    damage,
     deepspeed_state_types,
     fsync_dir,
     latest_tag,
     load_file,
     model_config,
+    read_manifest,
     write_atomic,
 )
 from pipeline.config import RunConfig
@@ -137,33 +139,6 @@ def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, An
     return client_state
 
 
-def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
-    """None for a checkpoint written before fathom committed checkpoints (or by plain DeepSpeed)."""
-    path = checkpoint / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
-    """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
-    against the zip archive's CRC-32s (torch's format), which reads the whole file."""
-    if not path.exists():
-        return f"{path}: missing; restore the file or start a new run"
-    if path.stat().st_size != entry["bytes"]:
-        return (
-            f"{path}: {path.stat().st_size} bytes, but {entry['bytes']} when it was saved; the file is truncated "
-            "or damaged: restore it or start a new run"
-        )
-    if read and entry["zip"]:
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except zipfile.BadZipFile:
-            bad = "the archive"
-        if bad is not None:
-            return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
-    return None
-
-
 def committed_files(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     """(tag directory, manifest) of the latest checkpoint; None if there is none or it predates manifests."""
     tag = latest_tag(save_dir)
@@ -193,14 +168,16 @@ def verify(save_dir: str | Path, world_size: int) -> None:
         )
 
 
-def verify_contents(save_dir: str | Path) -> None:
-    """Every byte of the latest checkpoint against its checksums, the files shared out among the ranks;
-    all ranks agree, so that a damaged file ends every rank cleanly rather than one rank mid-load."""
+def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
+    """Every byte of the latest checkpoint (`weights_only`: of its layer files, what train.init_from
+    reads) against its checksums, the files shared out among the ranks; all ranks agree, so that a
+    damaged file ends every rank cleanly rather than one rank mid-load."""
     committed = committed_files(save_dir)
     problem = None
     if committed is not None:
         checkpoint, manifest = committed
-        mine = sorted(manifest["files"].items())[dist.get_rank() :: dist.get_world_size()]
+        files = sorted((n, e) for n, e in manifest["files"].items() if not weights_only or n.startswith("layer_"))
+        mine = files[dist.get_rank() :: dist.get_world_size()]
         problem = next((p for name, entry in mine if (p := damage(checkpoint / name, entry, read=True))), None)
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)

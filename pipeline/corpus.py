@@ -25,6 +25,7 @@ import torch
 from model.config import EOS, NUM_SPECIAL, PAD, UNK, ConfigError
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+META_FILE = "meta.json"  # written last by prepare_data.py
 PADDING_FACTOR = 8  # fairseq-preprocess pads dictionaries to a multiple of 8 with madeupwordNNNN
 
 
@@ -149,7 +150,7 @@ class PreparedData:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.meta = read_meta(self.path / "meta.json")
+        self.meta = read_meta(self.path / META_FILE)
         self.files: dict[str, dict] | None = self.meta.get("files")
         if self.files is None:
             print(

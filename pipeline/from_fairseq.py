@@ -25,6 +25,7 @@ from pipeline.staging import check_out, staged
 from pipeline.to_fairseq import fairseq_key
 
 TAG = "fairseq"
+SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace
 # fairseq's bookkeeping, and the aliases of tied tables (read through their first use)
 NOT_WEIGHTS = {
     "encoder.version",
@@ -137,7 +138,7 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
 
 def convert(args: argparse.Namespace) -> ModelConfig:
     source, out = Path(args.checkpoint), Path(args.out)
-    check_out(out, args.force)
+    check_out(out, args.force, SUMMARY, [source])
     fairseq_args, state = read_checkpoint(source)
     cfg = model_config_from(fairseq_args, state, source)
     with staged(out) as staging:
@@ -145,6 +146,7 @@ def convert(args: argparse.Namespace) -> ModelConfig:
         write_layers(cfg, state, staging / TAG, source)
         (staging / LATEST).write_text(TAG)
         (staging / CONFIG_FILE).write_text(json.dumps({"model": cfg.__dict__}, indent=2) + "\n")
+        (staging / SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
     return cfg
 
 

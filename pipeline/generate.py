@@ -33,10 +33,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def translate(args: argparse.Namespace) -> tuple[list[str], list[str], float]:
-    """(hypotheses, references) of the split, in the split's order, and the seconds the search took."""
+def translate(args: argparse.Namespace, output: Path | None = None) -> tuple[list[str], list[str], float]:
+    """(hypotheses, references) of the split, in the split's order, and the seconds the search took. The
+    data and the checkpoint are checked first, then that `output` can be written, then the search runs."""
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args)
+    if output is not None:
+        check_writable_file(output, "--output")
     sources = [corpus.sources[i] for i in range(len(corpus))]
     tick = time.perf_counter()
     found = translator.search(sources, progress=f"translating {args.subset}")
@@ -50,9 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     with exit_on_config_error():
-        check_writable_file(output, "--output")
-        hypotheses, references, seconds = translate(args)
-    write_atomic(output, "".join(h + "\n" for h in hypotheses))
+        hypotheses, references, seconds = translate(args, output)
+        write_atomic(output, "".join(h + "\n" for h in hypotheses))
     bleu, chrf = BLEU(), CHRF()
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
     print(bleu.corpus_score(hypotheses, [references]))

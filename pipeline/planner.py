@@ -339,7 +339,15 @@ def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
     if not path.exists():
         raise ConfigError(f"--measured: {path} does not exist; it is written when a training run finishes")
     lines = []
-    for rank in (MeasuredPeak(**entry) for entry in json.loads(path.read_text())):
+    try:
+        peaks = [MeasuredPeak(**entry) for entry in json.loads(path.read_text())]
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"--measured: {path} is not a run's memory record ({err}); train the run again") from None
+    if not peaks:
+        raise ConfigError(f"--measured: {path} holds no ranks; train the run again")
+    if (stages := 1 + max(rank.stage for rank in peaks)) != len(estimates):
+        raise ConfigError(f"--measured: the run in {save_dir} had {stages} stages; estimate with --stages {stages}")
+    for rank in peaks:
         estimate = estimates[rank.stage].peak
         lines.append(
             f"rank {rank.rank} (stage {rank.stage}): measured {rank.model_bytes / GiB:.3f} GiB, "

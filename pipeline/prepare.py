@@ -23,7 +23,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from model.config import ConfigError, exit_on_config_error
-from pipeline.corpus import Dictionary, file_record, write_indexed
+from pipeline.corpus import META_FILE, Dictionary, file_record, write_indexed
 from pipeline.staging import check_out, staged
 
 
@@ -121,7 +121,9 @@ def encode(processor: spm.SentencePieceProcessor, lines: list[str], desc: str) -
 
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    check_out(out, args.force)
+    check_out(out, args.force, META_FILE, [args.train, args.valid, *args.test])
+    if args.src == args.tgt:
+        raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
     if args.vocab_size < 8:
         raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
     if args.max_len < 1:
@@ -204,7 +206,7 @@ def prepare(args: argparse.Namespace) -> dict:
             },
             "files": {f.name: file_record(f) for f in sorted(tmp.iterdir())},
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 

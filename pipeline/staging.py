@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,17 +36,33 @@ def check_writable_file(path: Path, name: str) -> None:
     files. Checked before the work that produces it."""
     if path.is_dir():
         raise ConfigError(f"{name} {path}: is a directory; name a file")
-    folder = path.absolute().parent
+    if path.exists() and not path.is_file():  # a device or pipe, e.g. /dev/stdout: written in place
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{name} {path}: not writable; choose another")
+        return
+    folder = Path(os.path.realpath(path)).parent  # a link's target is what gets replaced
     if not folder.is_dir():
         raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
     check_writable_folder(folder, f"{name} {path}:")
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Fails on an existing, non-empty output directory unless --force, and where none can be made."""
+def check_out(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:
+    """An output directory that is new, empty, or, with --force, an earlier output of the same script:
+    one holding `marker`, the file that script writes. --force never deletes anything else (a training
+    run, the data, the current directory), nor a directory holding one of the `inputs`."""
     check_makeable(out, "--out")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ConfigError(f"{out}: already exists; choose a new --out or pass --force to replace it")
+    where = out.resolve()
+    for path, what in ((Path.cwd(), "the current directory"), *((Path(p), f"the input {p}") for p in inputs)):
+        if where == path.resolve() or where in path.resolve().parents:
+            raise ConfigError(f"--out {out}: is or holds {what}, which replacing it would delete; choose another")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"{out}: already exists; choose a new --out or pass --force to replace it")
+        if not (out / marker).is_file():
+            raise ConfigError(
+                f"--out {out}: exists and was not written by this script (no {marker}), so --force does not "
+                "replace it; choose another directory"
+            )
 
 
 @contextmanager

@@ -279,7 +279,7 @@ class Export:
 
 def convert(args: argparse.Namespace) -> dict[str, object]:
     out = Path(args.out)
-    check_out(out, args.force)
+    check_out(out, args.force, SUMMARY, [args.checkpoint, args.data])
     export = Export.open(args.checkpoint, args.tag)
     with staged(out) as staging:
         return export.write(staging, Path(args.data), out, args.splits)

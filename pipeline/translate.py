@@ -175,6 +175,15 @@ def print_scores(hypotheses: list[str], references: list[str]) -> None:
     print(bleu.get_signature(), file=sys.stderr)
 
 
+def write_stdout(text: str) -> None:
+    """A full disk or a closed pipe is reported here, naming stdout, not by the interpreter at exit."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, "stdout") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     keep_freed_blocks()
@@ -185,10 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         references = read_references(args.reference, len(lines)) if args.reference else None
         translator = Translator(args)
         translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")
-    text = "".join(line + "\n" for line in translations)
-    if args.output:
-        write_atomic(Path(args.output), text)
-    else:
-        sys.stdout.write(text)
+        text = "".join(line + "\n" for line in translations)
+        if args.output:
+            write_atomic(Path(args.output), text)
+        else:
+            write_stdout(text)
     if references is not None:
         print_scores(translations, references)

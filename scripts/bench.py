@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import deepspeed
@@ -34,14 +35,23 @@ from pipeline.bench import (
     synthetic_batch,
     with_peak,
 )
+from pipeline.checkpoint import write_atomic
+from pipeline.staging import check_writable_file
 from pipeline.world import run_launched
 
 
-def positive(text: str) -> int:
-    value = int(text)  # argparse turns a ValueError into "invalid positive value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
+def at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+
+    parse.__name__ = "integer"  # argparse turns a ValueError into "invalid integer value"
+    return parse
+
+
+positive = at_least(1)
 
 
 def positive_list(text: str) -> tuple[int, ...]:
@@ -66,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tgt-len", type=positive, default=64, help="target tokens per sentence, eos included")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--steps", type=positive, default=5, help="timed steps (the median is reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps before them")
     parser.add_argument("--rounds", type=positive, default=1, help="the systems take turns this many times")
     parser.add_argument("--compare", default="", help="comma-separated: torchscale, deepspeed")
     parser.add_argument("--matmul-sizes", type=positive_list, default=(1024, 2048), help="square matmuls for the peak")
@@ -146,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error():
         bench = bench_of(args)
         check(bench)
+        if args.json:
+            check_writable_file(args.json, "--json")
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its config dump would bury the table
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
             "matmul_peak_flops": peak,
             "results": [dataclasses.asdict(r) for r in results],
         }
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        with exit_on_config_error():
+            write_atomic(args.json, json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

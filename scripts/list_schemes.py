@@ -7,6 +7,7 @@ The parameters a scheme adds or drops are read off a model built with it, not wr
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from model import SCHEMES, ModelConfig, Transformer
@@ -45,4 +46,5 @@ def registry_table() -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(registry_table())

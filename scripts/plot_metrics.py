@@ -3,28 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from model.config import ConfigError, exit_on_config_error  # noqa: E402
+from pipeline.checkpoint import write_atomic  # noqa: E402
 from pipeline.logs import read_jsonl  # noqa: E402
+from pipeline.staging import check_writable_file  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("run", help="train.save_dir of a run (holds metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="PNG to write (default: RUN/loss.png)")
+    parser.add_argument("--out", default=None, help="image to write, .png, .pdf, .svg, ... (default: RUN/loss.png)")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     path = Path(args.run) / "metrics.jsonl"
+    out = Path(args.out or Path(args.run) / "loss.png")
     with exit_on_config_error():
         if not path.is_file():
             raise ConfigError(f"{path}: no such file; pass the train.save_dir of a run")
         records = read_jsonl(path)
+        check_writable_file(out, "--out")
+        image_format = out.suffix[1:].lower()
+        if image_format not in FigureCanvasBase.get_supported_filetypes():
+            raise ConfigError(f"--out {out}: not an image file name; end it in .png, .pdf or .svg")
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]
 
@@ -37,9 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_title(args.title or Path(args.run).name)
     ax.grid(alpha=0.3)
     ax.legend()
-    out = Path(args.out or Path(args.run) / "loss.png")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=image_format, dpi=120)
+    with exit_on_config_error():
+        write_atomic(out, image.getvalue())
     print(f"wrote {out}")
 
 

@@ -1,5 +1,8 @@
 """The benchmark's arithmetic (scripts/bench.py times nothing here): model FLOPs against torch's own
-FLOP counter on a real training step, and the fixed batch's layout."""
+FLOP counter on a real training step, the fixed batch's layout, and its refusals of bad arguments."""
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from model import ModelConfig, Transformer
 from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
 from pipeline.bench import model_flops, synthetic_batch
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("n, m, src_len, tgt_len", [(2, 2, 16, 16), (3, 1, 12, 20)])
@@ -30,3 +34,20 @@ def test_synthetic_batch_is_full_length_without_padding():
     assert src.shape == (4, 7) and prev.shape == target.shape == (4, 5)
     assert not any(t.eq(PAD).any() for t in (src, prev, target))
     assert torch.equal(prev[:, 1:], target[:, :-1])  # the decoder reads the target shifted right
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scheme", "nope"], "model.norm_scheme: unknown scheme 'nope'"),  # a traceback when first built
+        (["--warmup", "-1"], "argument --warmup: -1: must be at least 0"),
+        (["--json", "/no-dir/bench.json"], "--json /no-dir/bench.json: /no-dir is not a directory"),  # after timing
+    ],
+)
+def test_bench_refuses_bad_arguments_before_timing(args, message):
+    result = subprocess.run(
+        [sys.executable, "scripts/bench.py", "--layers", "1", "--steps", "1", *args],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from model import SCHEMES
+from model import SCHEMES, ModelConfig, Transformer
 from pipeline.generate import main as generate_main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_run
 
 
 def run_generate(capsys, *args):
@@ -25,18 +25,25 @@ def test_generate_rejects_a_directory_that_is_not_a_run(tmp_path, capsys, multi3
     assert "not a training directory (no config.json)" in err
 
 
+def test_generate_names_a_wrong_checkpoint_before_its_output(tmp_path, capsys, multi30k_slice):
+    """It blamed the default output file inside the missing directory."""
+    err = run_generate(capsys, "--checkpoint", str(tmp_path / "missing"), "--data", str(multi30k_slice))
+    assert "missing: not a training directory (no config.json)" in err
+
+
 def test_generate_rejects_an_unknown_subset_and_data_dir(tmp_path, capsys, multi30k_slice):
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=8, ffn_dim=8, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20)  # fmt: skip
+    run = write_run(Transformer(cfg), tmp_path / "run")
     assert "no split 'dev'" in run_generate(
-        capsys, "--checkpoint", str(tmp_path), "--data", str(multi30k_slice), "--subset", "dev"
+        capsys, "--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "dev"
     )
-    assert "not a prepared data directory" in run_generate(
-        capsys, "--checkpoint", str(tmp_path), "--data", str(tmp_path)
-    )
+    assert "not a prepared data directory" in run_generate(capsys, "--checkpoint", str(run), "--data", str(tmp_path))
 
 
-def plot_metrics(run) -> subprocess.CompletedProcess:
+def plot_metrics(run, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "scripts/plot_metrics.py", str(run)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "scripts/plot_metrics.py", str(run), *args], cwd=ROOT, capture_output=True, text=True
     )
 
 
@@ -69,3 +76,17 @@ def test_readme_scheme_table_is_the_registrys():
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n| `") == len(SCHEMES) > 7
     assert result.stdout.strip() in (ROOT / "README.md").read_text(), "regenerate README's table with this script"
+
+
+def test_plot_metrics_refuses_an_output_it_cannot_write(tmp_path):
+    """Each was a traceback after plotting, and /dev/full an exit 0 with nothing written."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    for out, message in (
+        (tmp_path, "is a directory; name a file"),
+        (tmp_path / "missing" / "loss.png", "is not a directory; create it or choose another"),
+        (tmp_path / "loss.txt", "not an image file name; end it in .png, .pdf or .svg"),
+    ):
+        result = plot_metrics(tmp_path, "--out", str(out))
+        assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
+    result = plot_metrics(tmp_path, "--out", str(tmp_path / "loss.PDF"))
+    assert result.returncode == 0 and (tmp_path / "loss.PDF").read_bytes()[:5] == b"%PDF-"

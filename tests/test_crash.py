@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import commit
+from pipeline.checkpoint import damage, read_manifest
 from tests.conftest import ROOT, assert_same_training, free_port, launch
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def assert_latest_whole(save_dir: Path) -> None:
     checkpoint, manifest = committed
     assert manifest["step"] == int(checkpoint.name.removeprefix("global_step"))
     for name, entry in manifest["files"].items():
-        assert commit.damage(checkpoint / name, entry, read=True) is None
+        assert damage(checkpoint / name, entry, read=True) is None
 
 
 def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
@@ -134,7 +135,7 @@ def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
     print("\n".join(history))
 
     assert_same_training(reference, run)
-    assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and commit.read_manifest(p) is None]
+    assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and read_manifest(p) is None]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM to the job"])
@@ -167,7 +168,7 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
     ), output[-3000:]
     assert not rank_pids(save_dir) and not list(save_dir.glob("heartbeat-*")), output[-3000:]
     assert_latest_whole(save_dir)
-    assert all(commit.read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
+    assert all(read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
     resumed = subprocess.run(command(save_dir, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert steps_done(save_dir) == STEPS

@@ -98,14 +98,39 @@ def test_empty_and_long_pairs_are_dropped_and_counted(tmp_path):
     assert len(corpus) == meta["pairs"] and corpus.lengths().max() <= 21
 
 
-def test_existing_output_needs_force(tmp_path, capsys):
+def test_force_replaces_only_an_earlier_output(tmp_path, capsys, monkeypatch):
+    """--force used to delete whatever --out named: `--out . --force` emptied the working directory, and
+    convert_to_fairseq.py --out RUN --force deleted the run it converted."""
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     assert "already exists; choose a new --out or pass --force" in expect_error(capsys, tmp_path, train, valid)
+    message = expect_error(capsys, tmp_path, train, valid, "--force")
+    assert "exists and was not written by this script (no meta.json), so --force does not replace it" in message
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    prepare(tmp_path, train, valid, "--force")
-    assert (tmp_path / "out" / "meta.json").exists() and not (tmp_path / "out" / "keep.txt").exists()
+    (tmp_path / "out" / "keep.txt").unlink()
+    prepare(tmp_path, train, valid)
+    prepare(tmp_path, train, valid, "--force")  # an earlier output of prepare_data.py
+    assert (tmp_path / "out" / "meta.json").exists()
+    monkeypatch.chdir(tmp_path)
+    args = ["--src", "de", "--tgt", "en", "--train", train, "--valid", valid, "--vocab-size", "300", "--force"]
+    for out in (".", str(tmp_path.parent)):
+        with pytest.raises(SystemExit):
+            prepare_main([*args, "--out", out])
+        assert "is or holds the current directory, which replacing it would delete" in capsys.readouterr().err
+    (tmp_path / "inputs").mkdir()
+    inputs = write_slice(tmp_path / "inputs", "train", 100)
+    shutil.copy(tmp_path / "out" / "meta.json", tmp_path / "inputs")  # looks like an earlier output
+    with pytest.raises(SystemExit):
+        prepare_main([*args, "--train", inputs, "--out", str(tmp_path / "inputs")])
+    assert f"is or holds the input {inputs}" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "inputs").iterdir()) == ["meta.json", "train.de", "train.en"]
+
+
+def test_same_language_on_both_sides_is_one_line(tmp_path, capsys):
+    """--src de --tgt de wrote both sides to the same files."""
+    train, valid = write_slice(tmp_path, "train", 50), write_slice(tmp_path, "val", 20)
+    assert "--src and --tgt are both 'de'" in expect_error(capsys, tmp_path, train, valid, "--tgt", "de")
 
 
 def test_missing_file_and_bad_vocab_size_leave_nothing(tmp_path, capsys):

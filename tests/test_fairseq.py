@@ -334,7 +334,10 @@ def test_bad_checkpoints_and_data_fail_in_one_line(runs, multi30k_slice, tmp_pat
     message = failure(
         capsys, to_fairseq.main, "--checkpoint", str(damaged), "--data", str(multi30k_slice), "--out", str(out)
     )
-    assert "layer_03-model_states.pt: unreadable" in message and "truncated" in message
+    assert "layer_03-model_states.pt: " in message and "truncated" in message
+    message = failure(capsys, to_fairseq.main, "--checkpoint", str(damaged), "--data", str(multi30k_slice),
+                      "--out", str(damaged), "--force")  # fmt: skip
+    assert f"--out {damaged}: is or holds the input {damaged}, which replacing it would delete" in message
     layer.unlink()
     message = failure(
         capsys, to_fairseq.main, "--checkpoint", str(damaged), "--data", str(multi30k_slice), "--out", str(out)

@@ -119,6 +119,23 @@ def test_stages_zero_is_refused_not_ignored(capsys):
     assert "pipeline.stages: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ("garbage", "is not a run's memory record"),  # each was a traceback
+        ('[{"rank": 0}]', "is not a run's memory record"),
+        ("[]", "holds no ranks"),
+        ('[{"rank": 0, "stage": 2, "baseline": 1, "peak": 2}]', "had 3 stages; estimate with --stages 3"),
+    ],
+)
+def test_a_damaged_measured_record_is_one_line(tmp_path, capsys, record, message):
+    (tmp_path / MEMORY_FILE).write_text(record)
+    with pytest.raises(SystemExit) as exc:
+        planner.main(["--config", str(ROOT / "ds_configs" / "default.json"), "--measured", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
 @pytest.mark.slow
 def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     """2 stages, ZeRO-1, activation checkpointing, fp32 on this CPU: each rank's peak resident memory

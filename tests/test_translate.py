@@ -2,8 +2,11 @@
 prepared split, long lines cut with a warning, and every bad input one line with nothing written."""
 
 import io
+import os
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +177,8 @@ SPLIT_ARGS_REFUSED = [
     (bench_translate_main, ["--sentences", "-1"], "--sentences: must be at least 0 (0: the whole split), got -1"),
     (bench_translate_main, ["--json", "/proc/bench.json"], "--json /proc/bench.json: cannot write in /proc"),
     (bench_translate_main, ["--systems", "incremental,nope"], "--systems: unknown system 'nope'"),
+    (generate_main, ["--tag", "../run/global_step1"], "--tag: '../run/global_step1' is not a tag"),  # read outside
+    (generate_main, ["--tag", ""], "--tag: '' is not a tag"),  # read SAVE_DIR itself, blamed a truncated file
 ]
 
 
@@ -185,3 +190,47 @@ def test_split_decoders_refuse_bad_arguments_before_decoding(capsys, run, multi3
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_damaged_run_directory_is_one_line(capsys, multi30k_slice, tmp_path):
+    """Each was a traceback, or for `latest`, a checkpoint read from outside the run."""
+    run = untrained_run(multi30k_slice, tmp_path / "run")
+    args = ["--checkpoint", str(run), "--data", str(multi30k_slice), "--subset", "test"]
+    config = (run / "config.json").read_text()
+    for name, text, message in (
+        ("latest", "../elsewhere/global_step1", "latest: names '../elsewhere/global_step1', not a tag"),
+        ("config.json", '{"model": ', "config.json: not a run's config (JSONDecodeError"),
+        ("config.json", '{"modl": {}}', "config.json: not a run's config (KeyError: 'model')"),
+        ("config.json", config.replace('"embed_dim": 32', '"embed_dim": "x"'), "model.embed_dim: expected an integer"),
+    ):
+        before = (run / name).read_text()
+        (run / name).write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            generate_main(args)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+        (run / name).write_text(before)
+
+
+def test_outputs_through_links_pipes_and_a_full_disk(capsys, monkeypatch, run, multi30k_slice, tmp_path):
+    """The atomic write replaced whatever --output named: as root it turned /dev/full into a regular file
+    (and exited 0), and it replaced a link with a file."""
+    stdin = b"Ein Hund.\nZwei Hunde.\n"
+    with pytest.raises(SystemExit) as exc:
+        translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--output", "/dev/full")
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 1 and err == "fathom: error: /dev/full: No space left on device", err
+    assert Path("/dev/full").is_char_device() and not list(Path("/dev").glob(".full*"))
+    target, link = tmp_path / "target.en", tmp_path / "link.en"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--output", str(link))
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 2
+    pipe = tmp_path / "pipe.en"
+    os.mkfifo(pipe)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_text()))
+    reader.start()
+    translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--output", str(pipe))
+    reader.join(timeout=60)
+    assert received == [target.read_text()] and pipe.is_fifo()

@@ -99,7 +99,7 @@ class TrainConfig:
         if not 0 <= self.seed < 2**31:
             raise ConfigError(f"train.seed: must be in [0, 2^31), got {self.seed}")
         for key in ("max_steps", "save_interval", "log_interval", "valid_interval", "grad_norm_interval"):
-            least = 1 if key in ("save_interval", "log_interval") else 0
+            least = 1 if key in ("max_steps", "save_interval", "log_interval") else 0
             if getattr(self, key) < least:
                 raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
         # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
@@ -145,15 +145,27 @@ class RunConfig:
         return {**self.deepspeed, "model": model, "data": asdict(self.data), "train": asdict(self.train)}
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a key given twice in one object would silently keep the last value."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ConfigError(f"key '{key}' appears twice in one object; keep one")
+        seen[key] = value
+    return seen
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'model.encoder_layers=24' -> (['model', 'encoder_layers'], 24); values are JSON, else strings."""
     key, sep, raw = text.partition("=")
-    if not sep or not key:
+    if not sep or not all(key.split(".")):
         raise ConfigError(f"--override {text!r}: expected dotted.key=value, e.g. model.encoder_layers=24")
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=unique_keys)
     except json.JSONDecodeError:
         value = raw
+    except ConfigError as err:
+        raise ConfigError(f"--override {text!r}: {err}") from None
     return key.split("."), value
 
 
@@ -175,9 +187,11 @@ def read_json(path: str | Path) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a JSON object")
     return raw

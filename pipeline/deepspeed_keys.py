@@ -248,6 +248,10 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
             )
         builder = getattr(lr_schedules, name)
         check_arguments("scheduler", name, scheduler["params"], parameters(builder))
+        warmup = scheduler["params"].get(lr_schedules.WARMUP_TYPE)
+        rates = sorted({lr_schedules.WARMUP_LINEAR_RATE, lr_schedules.WARMUP_LOG_RATE})
+        if warmup is not None and warmup not in rates:  # DeepSpeed would warn and warm up by log instead
+            raise ConfigError(f"scheduler.params.warmup_type: {warmup!r}; choose one of {', '.join(rates)}")
         check_values("scheduler", builder, scheduler["params"])
 
 
@@ -259,6 +263,27 @@ def check_arguments(section: str, name: str, params: Any, accepted: set[str] | N
             raise ConfigError(f"{section}.params.{key}: not an argument of {name}{closest(key, accepted)}")
 
 
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_like_defaults(section: str, builder: Callable, params: dict[str, Any]) -> None:
+    """A value where the constructor's default is a number, or a pair of numbers (Adam's betas), must be
+    one too: a string such as "nan" from --override would otherwise fail inside arithmetic."""
+    signature = inspect.signature(builder).parameters
+    for key, value in params.items():
+        default, annotation = signature[key].default, signature[key].annotation
+        if value is None and default is None:  # "use the default": WarmupLR's warmup_max_lr is the optimizer's lr
+            continue
+        if (is_number(default) or annotation in (int, float, "int", "float")) and not is_number(value):
+            raise ConfigError(f"{section}.params.{key}: expected a number, got {value!r}")
+        if isinstance(default, tuple) and all(map(is_number, default)):
+            if not (isinstance(value, list) and len(value) == len(default) and all(map(is_number, value))):
+                raise ConfigError(
+                    f"{section}.params.{key}: expected {len(default)} numbers, e.g. {list(default)}, got {value!r}"
+                )
+
+
 def check_values(section: str, builder: Callable, params: dict[str, Any]) -> None:
     """Builds the optimizer (on one dummy parameter) or the scheduler (of a dummy optimizer) with the
     arguments its constructor accepts, so its own checks of their values run now, not at launch."""
@@ -266,6 +291,7 @@ def check_values(section: str, builder: Callable, params: dict[str, Any]) -> Non
     from deepspeed.utils import logger
 
     accepted = {k: v for k, v in params.items() if k in parameters(builder)}
+    check_like_defaults(section, builder, accepted)
     weight = torch.nn.Parameter(torch.zeros(1))
     level = logger.level
     logger.setLevel(logging.ERROR)  # a scheduler built outside an engine warns about its learning rate

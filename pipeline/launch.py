@@ -99,6 +99,8 @@ def launched_processes(args: argparse.Namespace) -> int:
     """The world size the runner will start for these arguments, computed with its own functions."""
     if args.include and args.exclude:
         raise ConfigError("--include and --exclude: use one of them")
+    if not 0 < args.master_port < 65536:
+        raise ConfigError(f"--master_port {args.master_port}: not a TCP port; use one from 1024 to 65535")
     if (args.include or args.exclude) and (args.num_nodes >= 0 or args.num_gpus >= 0):
         raise ConfigError("--include/--exclude cannot be combined with --num_nodes or --num_gpus; drop one")
     # The runner's default hostfile (/job/hostfile, DLTS clusters) may be absent; one that was named must not.

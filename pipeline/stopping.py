@@ -13,17 +13,17 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from types import FrameType
 
 from pipeline.checkpoint import latest_tag
 from pipeline.commit import remove_uncommitted
+from pipeline.rundir import RunDirectory
 from pipeline.watchdog import HEARTBEAT_FILE, Watchdog
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def stop_on_signals(rank: int, save_dir: Path | None = None, watchdog: Watchdog | None = None,
+def stop_on_signals(rank: int, save_dir: RunDirectory | None = None, watchdog: Watchdog | None = None,
                     steps_done: Callable[[], int] | None = None) -> None:  # fmt: skip
     """From now on SIGINT and SIGTERM end this process with status 128 + signal. Before the run has a
     save_dir (start-up), nothing needs cleaning; after, pass the run's save_dir, watchdog and step count."""
@@ -43,13 +43,15 @@ def stop_on_signals(rank: int, save_dir: Path | None = None, watchdog: Watchdog 
         signal.signal(sig, stop)
 
 
-def where(save_dir: Path | None, steps_done: Callable[[], int] | None) -> str:
+def where(save_dir: RunDirectory | None, steps_done: Callable[[], int] | None) -> str:
     """Where the run stopped and how to continue it; cleans what the stop left half-made (rank 0)."""
     if save_dir is None or steps_done is None:
         return "during start-up, before training; nothing was saved"
-    remove_uncommitted(save_dir)
-    for heartbeat in save_dir.glob(HEARTBEAT_FILE.format(rank="*")):  # peers stopping too, or killed
+    remove_uncommitted(save_dir.path)
+    for heartbeat in save_dir.path.glob(HEARTBEAT_FILE.format(rank="*")):  # peers stopping too, or killed
         heartbeat.unlink(missing_ok=True)
-    tag = latest_tag(save_dir)
-    resume = f"the same command with --resume continues from {tag}" if tag else "no checkpoint was saved yet"
-    return f"after step {steps_done()}; {resume}"
+    tag = latest_tag(save_dir.path)
+    if tag:
+        return f"after step {steps_done()}; the same command with --resume continues from {tag}"
+    removed = f", so {save_dir.made} was removed again" if save_dir.abandon() else ""
+    return f"after step {steps_done()}; no checkpoint was saved yet{removed}"

@@ -33,7 +33,7 @@ from pipeline.checkpoint import (
     write_dictionaries,
 )
 from pipeline.config import RunConfig, TrainConfig, load_config
-from pipeline.corpus import BinarizedCorpus
+from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import (
     MicroBatch,
     MicroBatches,
@@ -49,7 +49,8 @@ from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.logs import read_jsonl, write_record
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
-from pipeline.stability import GRAD_NORMS_FILE, StabilityGuard, exit_on_nonfinite
+from pipeline.rundir import RunDirectory, check_not_in_use
+from pipeline.stability import GRAD_NORMS_FILE, NonFiniteError, StabilityGuard, exit_on_nonfinite
 from pipeline.staging import check_makeable
 from pipeline.stopping import stop_on_signals
 from pipeline.watchdog import Watchdog, backend_timeout
@@ -160,11 +161,18 @@ def _float(value: Any) -> float | None:
 
 def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
     """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing."""
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-        distributed_port=master_port(),
-        timeout=backend_timeout(hang_timeout),
-    )
+    try:
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+            distributed_port=master_port(),
+            timeout=backend_timeout(hang_timeout),
+        )
+    except dist.DistNetworkError as err:  # raised on rank 0, which listens on the port
+        if "EADDRINUSE" not in str(err):
+            raise
+        raise ConfigError(
+            f"port {master_port()} is in use on this machine (another run?); pass the launcher --master_port N"
+        ) from None
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads())
         release_shm_buffer()
@@ -261,6 +269,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         if isinstance(corpus, BinarizedCorpus):
             write_dictionaries(save_dir, corpus, cfg.data.path)
     if cfg.train.init_from and engine.global_steps == 0:
+        commit.verify_contents(cfg.train.init_from, weights_only=True)
         load_weights(engine, checkpoint_dir(cfg.train.init_from))
         if rank == 0:
             print(f"fathom: initialized from {cfg.train.init_from}", flush=True)
@@ -276,18 +285,24 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
     init_distributed(cfg.train.hang_timeout)
     baseline_memory = current_bytes()
     rank = dist.get_rank()
-    save_dir = Path(cfg.train.save_dir)
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-
-    engine = build_engine(cfg)
-    watchdog = Watchdog(save_dir, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
-    stop_on_signals(rank, save_dir, watchdog, lambda: engine.global_steps)
+    save_dir = RunDirectory(Path(cfg.train.save_dir), rank)
     try:
-        run(engine, cfg, corpus, start(engine, cfg, corpus, resume), watchdog)
-    finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
-        watchdog.stop()
-    report_peaks(baseline_memory, engine.stage_id, save_dir)
+        save_dir.open()
+        engine = build_engine(cfg)
+        watchdog = Watchdog(save_dir.path, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
+        stop_on_signals(rank, save_dir, watchdog, lambda: engine.global_steps)
+        try:
+            run(engine, cfg, corpus, start(engine, cfg, corpus, resume), watchdog)
+        finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
+            watchdog.stop()
+        report_peaks(baseline_memory, engine.stage_id, save_dir.path)
+    except NonFiniteError:  # a training outcome: its logs are the evidence
+        raise
+    except Exception:
+        save_dir.abandon()
+        raise
+    finally:
+        save_dir.close()
 
 
 class Validation:
@@ -351,6 +366,12 @@ def run(
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
     guard = StabilityGuard(engine, cfg.model, interval, grad_norms.write)
     started, first_step = time.perf_counter(), engine.global_steps
+    if first_step >= cfg.train.max_steps and rank == 0:
+        print(
+            f"fathom: the run is at step {first_step} and train.max_steps is {cfg.train.max_steps}: nothing to "
+            "train; raise train.max_steps to go on",
+            flush=True,
+        )
     while engine.global_steps < cfg.train.max_steps:
         step = engine.global_steps
         watchdog.progress(f"training step {step + 1}")
@@ -403,10 +424,13 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
         raise ConfigError(
             "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
         )
-    check_makeable(Path(cfg.train.save_dir), "train.save_dir")
+    save_dir = Path(cfg.train.save_dir)
+    check_makeable(save_dir, "train.save_dir")
+    if (save_dir / META_FILE).exists():
+        raise ConfigError(f"train.save_dir: {save_dir} is a prepared data directory; choose another for checkpoints")
+    check_not_in_use(save_dir)
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
-    save_dir = Path(cfg.train.save_dir)
     if not args.resume and latest_tag(save_dir) is not None:
         raise ConfigError(
             f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "

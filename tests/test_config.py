@@ -1,12 +1,18 @@
 """Every bad-config case stops before training with one line naming the key and the fix."""
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from pipeline.checkpoint import LATEST
 from pipeline.config import load_config
+from pipeline.corpus import META_FILE
+from pipeline.rundir import RunDirectory
 from pipeline.train import main
 from tests.conftest import ROOT, launch
 
@@ -142,6 +148,13 @@ VALUES = {
     "train.seed=-1": "train.seed: must be in [0, 2^31), got -1",
     "train.save_dir=": "train.save_dir: empty; name the directory for checkpoints",
     "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
+    "train.max_steps=0": "train.max_steps: must be at least 1, got 0",  # trained nothing, exit 0
+    # DeepSpeed warned (silenced) and warmed up by log instead
+    "scheduler.params.warmup_type=lienar": "scheduler.params.warmup_type: 'lienar'; choose one of linear, log",
+    # a string from --override failed inside the scheduler's arithmetic
+    "scheduler.params.warmup_max_lr=nan": "scheduler.params.warmup_max_lr: expected a number, got 'nan'",
+    "optimizer.params.betas=[0.9]": "optimizer.params.betas: expected 2 numbers, e.g. [0.9, 0.999], got [0.9]",
+    "optimizer.params.weight_decay=true": "optimizer.params.weight_decay: expected a number, got True",
 }
 
 
@@ -160,6 +173,35 @@ def test_a_save_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
         assert message in fail(capsys, args, monkeypatch=monkeypatch)
     assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
         "afile", "exp.json"]  # fmt: skip
+
+
+def test_a_save_dir_in_use_or_holding_data_is_one_line(tmp_path, capsys, monkeypatch):
+    """A second run in the same save_dir would interleave its checkpoints with the first's; a save_dir that
+    is a prepared data directory would mix checkpoints into the data."""
+    running = RunDirectory(tmp_path / "ckpt", rank=0)
+    running.open()  # what a running job's rank 0 holds
+    args = ["--config", str(write_config(tmp_path))]
+    assert f"is in use by a running job (pid {os.getpid()} on" in fail(capsys, args, monkeypatch=monkeypatch)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / META_FILE).write_text("{}")
+    args += ["--override", f"train.save_dir={tmp_path / 'data'}"]
+    assert "is a prepared data directory; choose another" in fail(capsys, args, monkeypatch=monkeypatch)
+
+
+def test_a_run_directory_is_removed_only_if_the_run_made_it_and_saved_nothing(tmp_path):
+    made = RunDirectory(tmp_path / "new" / "run", rank=0)
+    made.open()
+    assert made.abandon() and not (tmp_path / "new").exists()  # its parent too: this run made both
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    found = RunDirectory(kept, rank=0)
+    found.open()
+    assert not found.abandon() and (kept / "notes.txt").exists()
+    saved = RunDirectory(tmp_path / "saved", rank=0)
+    saved.open()
+    (saved.path / LATEST).write_text("global_step1")
+    assert not saved.abandon() and saved.path.exists()
 
 
 @pytest.mark.parametrize("override", list(TYPOS))
@@ -186,9 +228,19 @@ def test_malformed_json(tmp_path, capsys, monkeypatch):
     assert "invalid JSON at line 1 column 12" in err
 
 
-def test_bad_override(tmp_path, capsys, monkeypatch):
-    args = ["--config", str(write_config(tmp_path)), "--override", "model.encoder_layers"]
-    assert "expected dotted.key=value" in fail(capsys, args, monkeypatch=monkeypatch)
+def test_a_key_twice_in_one_object_is_one_line(tmp_path, capsys, monkeypatch):
+    """json keeps the last of two equal keys silently: which depth trained depended on the order."""
+    text = DEFAULT.read_text().replace('"encoder_layers": 12,', '"encoder_layers": 12, "encoder_layers": 2,')
+    err = fail(capsys, ["--config", str(write_config(tmp_path, text=text))], monkeypatch=monkeypatch)
+    assert "exp.json: key 'encoder_layers' appears twice in one object; keep one" in err
+    args = ["--config", str(write_config(tmp_path)), "--override", 'model.branchnorm={"T": 5, "T": 6}']
+    assert "key 'T' appears twice in one object" in fail(capsys, args, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("override", ["model.encoder_layers", "=5", ".model=3", "model..x=1"])
+def test_bad_override(tmp_path, capsys, monkeypatch, override):
+    args = ["--config", str(write_config(tmp_path)), "--override", override]
+    assert f"--override '{override}': expected dotted.key=value" in fail(capsys, args, monkeypatch=monkeypatch)
     args = ["--config", str(write_config(tmp_path)), "--override", "model.ffn_dims=3"]
     assert "model.ffn_dims: unknown key; did you mean 'ffn_dim'?" in fail(capsys, args, monkeypatch=monkeypatch)
 
@@ -215,6 +267,25 @@ def test_the_launcher_exits_nonzero_on_a_bad_config(tmp_path):
     result = launch(ROOT / "scripts" / "train.py", "--config", str(path))
     assert result.returncode != 0
     assert "fathom: error: model.decoder_layer: unknown key" in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_a_port_in_use_is_one_line_and_leaves_no_save_dir(tmp_path):
+    """Two jobs on one machine on one port (the launcher's default is 29500 for every job): every rank of
+    the second printed a DistNetworkError traceback."""
+    path = write_config(tmp_path, set_key(["train", "max_steps"], 1))
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), "scripts/train.py"]
+        result = subprocess.run([*command, "--config", str(path)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)  # fmt: skip
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "fathom: error:" in line]
+    assert result.returncode != 0 and len(errors) == 1, output[-3000:]
+    assert f"port {port} is in use on this machine (another run?); pass the launcher --master_port N" in errors[0]
+    assert "Traceback" not in output and not (tmp_path / "ckpt").exists()
 
 
 def test_plain_python_exits_2_with_one_line(tmp_path):

@@ -64,6 +64,7 @@ BAD_HOSTFILES = [
     (TWO_HOSTS, ["--launcher", "openmpi", "--include", "worker-0@worker-1"], "--launcher openmpi: starts every slot"),
     (TWO_HOSTS, ["--launcher", "pbs"], "--launcher pbs: unknown; use one of pdsh, openmpi"),
     ("worker-0 slots=2\nworker-1 slots=1\n", [], "pipeline.stages: 3 processes cannot be split into 2 stages"),
+    (TWO_HOSTS, ["--master_port", "99999"], "--master_port 99999: not a TCP port"),  # a traceback per rank
 ]
 
 

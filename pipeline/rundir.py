@@ -1,0 +1,92 @@
+"""train.save_dir while a run uses it: one run at a time, and nothing half-made left by one that fails.
+
+Two runs writing one directory would interleave their checkpoints, metrics and `latest` without an
+error, so global rank 0 holds an exclusive flock on SAVE_DIR/.fathom.lock for the whole run; the kernel
+releases it however the process ends, so a killed run leaves no stale lock. A run that ends with an
+error or a signal before its first checkpoint leaves nothing worth resuming: the directory it made is
+removed again. A run stopped by a non-finite loss keeps its directory (its logs show the divergence).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+from typing import IO
+
+from model.config import ConfigError
+from pipeline.checkpoint import latest_tag
+
+LOCK_FILE = ".fathom.lock"
+
+
+def _try_lock(path: Path) -> IO[str] | None:
+    """The open lock file, locked, or None when another process holds it."""
+    handle = open(path, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    except OSError as err:  # a filesystem without locks (some NFS mounts): run unguarded rather than not at all
+        print(f"fathom: warning: {path}: cannot lock ({err.strerror}); no other run is kept out", file=sys.stderr)
+    return handle
+
+
+def _in_use(save_dir: Path) -> ConfigError:
+    holder = (save_dir / LOCK_FILE).read_text().strip() or "another process"
+    return ConfigError(
+        f"train.save_dir: {save_dir} is in use by a running job ({holder}); wait for it to end or choose another"
+    )
+
+
+def check_not_in_use(save_dir: Path) -> None:
+    """Before launch: refuses a save_dir another run is training in."""
+    if not (save_dir / LOCK_FILE).is_file():
+        return
+    handle = _try_lock(save_dir / LOCK_FILE)
+    if handle is None:
+        raise _in_use(save_dir)
+    handle.close()
+
+
+class RunDirectory:
+    """SAVE_DIR as global rank 0 holds it during a run (other ranks only read `path`)."""
+
+    def __init__(self, path: Path, rank: int):
+        self.path, self.rank = path, rank
+        self.made: Path | None = None  # what this run made (the directory, or its top new parent), to remove
+        self._lock: IO[str] | None = None
+
+    def open(self) -> None:
+        """Makes and locks the directory (rank 0); raises ConfigError if another run holds it."""
+        if self.rank != 0:
+            return
+        absolute = self.path.absolute()
+        missing = [p for p in (absolute, *absolute.parents) if not p.exists()]
+        self.made = missing[-1] if missing else (None if any(absolute.iterdir()) else absolute)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = _try_lock(self.path / LOCK_FILE)
+        if self._lock is None:  # another run took it between our check and now
+            self.made = None
+            raise _in_use(self.path)
+        self._lock.truncate(0)
+        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._lock.flush()
+
+    def close(self) -> None:
+        """Releases the lock: the run is over (a process may train again, as the tests' workers do)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def abandon(self) -> bool:
+        """After an error or a stop: removes the directory if this run made it and saved no checkpoint
+        into it. Returns whether it did."""
+        if self.made is None or latest_tag(self.path) is not None:
+            return False
+        shutil.rmtree(self.made, ignore_errors=True)
+        return True

@@ -69,6 +69,11 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected an object, got {value!r}")
         return dict(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):

@@ -1,0 +1,287 @@
+"""A depth study: norm schemes x depths (and learning rates x warmups) on one prepared data set, one
+training run per cell through the launcher and scripts/train.py, exactly as a user runs them.
+
+    python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
+
+Every cell starts from the same experiment config (data order, batches, optimizer, schedule, seed) and
+changes only its scheme, depth and, in the sensitivity grid, learning rate and warmup. A cell is a run
+directory STUDY/cells/NAME; it is finished once STUDY/cells/NAME/cell.json exists, so the same command
+again skips finished cells and resumes an interrupted one from its last checkpoint. Each finished cell
+is classified from its own logs (pipeline/study_report.py), and the report is rebuilt from them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from model.config import PAD, ConfigError, exit_on_config_error, parse_section
+from pipeline.checkpoint import latest_tag, load_reference, write_atomic
+from pipeline.config import RunConfig, load_config, read_json
+from pipeline.corpus import BinarizedCorpus
+from pipeline.data import collate
+from pipeline.stability import NONFINITE_EXIT
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = "cells"
+CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
+BASELINE_FILE = "baseline.json"
+
+
+@dataclass
+class Sensitivity:
+    """A second grid at one depth: each scheme at each learning rate and warmup."""
+
+    depth: int
+    schemes: list[str]
+    lrs: list[float]
+    warmups: list[int]  # warmup steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
+
+
+@dataclass
+class StudySpec:
+    config: str  # the experiment config every cell starts from (relative to the repository root)
+    out: str  # the study directory
+    schemes: list[str]
+    depths: list[int]  # encoder = decoder layers
+    overrides: list[str] = field(default_factory=list)  # for every cell, as --override takes them
+    sensitivity: Sensitivity | None = None
+    beam: int = 4  # the validation BLEU of trained cells
+    lenpen: float = 0.6
+    heatmap: str | None = None  # the cell whose per-layer gradient norms the report draws
+
+    def __post_init__(self) -> None:
+        if not self.schemes or not self.depths:
+            raise ConfigError("study: give at least one scheme and one depth")
+        for depth in [*self.depths, *([self.sensitivity.depth] if self.sensitivity else [])]:
+            if depth < 1:
+                raise ConfigError(f"study: depth {depth}; depths are layers per side, at least 1")
+
+
+@dataclass(frozen=True)
+class Cell:
+    scheme: str
+    depth: int
+    lr: float | None = None  # None: the config's
+    warmup: int | None = None
+
+    @property
+    def name(self) -> str:
+        name = f"{self.scheme}-{self.depth}L"
+        if self.lr is not None:
+            name += f"-lr{self.lr:g}"
+        if self.warmup is not None:
+            name += f"-warmup{self.warmup}"
+        return name
+
+    def overrides(self) -> list[str]:
+        changes = [
+            f"model.norm_scheme={self.scheme}",
+            f"model.encoder_layers={self.depth}",
+            f"model.decoder_layers={self.depth}",
+        ]
+        if self.lr is not None:
+            changes += [f"optimizer.params.lr={self.lr}", f"scheduler.params.warmup_max_lr={self.lr}"]
+        if self.warmup is not None:  # DeepSpeed's warmup takes at least 2 steps whatever it is given
+            changes.append(f"scheduler.params.warmup_num_steps={max(1, self.warmup)}")
+        return changes
+
+
+def read_spec(path: str | Path) -> StudySpec:
+    return parse_section(StudySpec, read_json(path), "study")
+
+
+def cells(spec: StudySpec) -> list[Cell]:
+    """The main grid by depth, then the sensitivity grid: shallow cells first, so a study's first
+    answers come early and the deepest cells, which cost most, come last."""
+    grid = [Cell(scheme, depth) for depth in sorted(spec.depths) for scheme in spec.schemes]
+    if spec.sensitivity:
+        s = spec.sensitivity
+        grid += [Cell(scheme, s.depth, lr, warmup) for scheme in s.schemes for lr in s.lrs for warmup in s.warmups]
+    return grid
+
+
+def cell_dir(spec: StudySpec, cell: Cell) -> Path:
+    return Path(spec.out) / CELLS / cell.name
+
+
+def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:
+    """The cell's run config, checked as train.py checks it."""
+    overrides = [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
+    return load_config(ROOT / spec.config, overrides, world_size=None)
+
+
+def command(spec: StudySpec, cell: Cell, port: int) -> list[str]:
+    """What a user would type for this cell: scripts/launch.py (DeepSpeed's launcher, checked first)."""
+    cfg = cell_config(spec, cell)
+    overrides = [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
+    return [
+        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cfg.stages), "--master_port",
+        str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config), "--override",
+        *overrides, "--resume",
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:
+    path = cell_dir(spec, cell) / CELL_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def train_cell(spec: StudySpec, cell: Cell) -> int:
+    """Trains (or resumes) the cell to train.max_steps; its output goes to CELL/train.log. Returns the
+    exit status: 0 finished, 3 stopped by a non-finite loss; anything else stops the study."""
+    directory = cell_dir(spec, cell)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    log = directory.parent / f"{cell.name}.log"  # beside the run: train.py makes and may remove the run
+    with open(log, "a") as out:
+        status = subprocess.run(command(spec, cell, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
+    if status not in (0, NONFINITE_EXIT):
+        tail = "".join(log.read_text().splitlines(keepends=True)[-5:]).strip()
+        raise ConfigError(f"cell {cell.name}: training exited with status {status}; see {log}:\n{tail}")
+    return status
+
+
+def unigram_nll(data: Path) -> float:
+    """Validation loss (nats per target token, eos included) of the best model that ignores the source
+    and the context: the training set's target unigram distribution, add-one smoothed."""
+    train, valid = BinarizedCorpus(data, "train"), BinarizedCorpus(data, "valid")
+    counts = np.ones(train.tgt_vocab_size)
+    for i in range(len(train)):
+        np.add.at(counts, train.targets[i], 1)
+    counts[2] += len(train)  # one eos per sentence
+    logp = np.log(counts / counts.sum())
+    total = sum(-logp[valid.targets[i]].sum() - logp[2] for i in range(len(valid)))
+    tokens = sum(len(valid.targets[i]) + 1 for i in range(len(valid)))
+    return float(total / tokens)
+
+
+@torch.no_grad()
+def valid_nll(save_dir: Path, data: Path, shuffled: bool) -> float:
+    """Unsmoothed validation loss of the run's latest checkpoint; `shuffled` gives each target the
+    source of its neighbour in length order (similar lengths, another sentence): how much the model
+    uses the source."""
+    model = load_reference(save_dir)
+    corpus = BinarizedCorpus(data, "valid")
+    pairs = [corpus.pair(i) for i in range(len(corpus))]
+    if shuffled:
+        order = np.argsort(corpus.lengths(), kind="stable")
+        sources = {int(order[k]): pairs[int(order[(k + 1) % len(order)])][0] for k in range(len(order))}
+        pairs = [(sources[i], target) for i, (_, target) in enumerate(pairs)]
+    total, tokens = 0.0, 0
+    order = np.argsort([max(len(s), len(t)) for s, t in pairs], kind="stable")
+    for start in range(0, len(order), 64):
+        (src, prev), target = collate([pairs[int(i)] for i in order[start : start + 64]])
+        logits = model(src, prev)
+        total += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=PAD, reduction="sum")
+        tokens += int(target.ne(PAD).sum())
+    return total.item() / tokens
+
+
+def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
+    """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's)."""
+    from sacrebleu.metrics import BLEU
+
+    from pipeline.generate import parse_args, translate
+
+    args = parse_args(["--checkpoint", str(save_dir), "--data", str(cfg.data.path), "--subset", "valid", "--beam",
+                       str(spec.beam), "--lenpen", str(spec.lenpen), "--device", "cpu"])  # fmt: skip
+    hypotheses, references, _ = translate(args)
+    return BLEU().corpus_score(hypotheses, [references]).score
+
+
+def evaluate(spec: StudySpec, cell: Cell, status: int, seconds: float) -> dict[str, Any]:
+    """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
+    that ended with weights, its validation loss with real and shuffled sources and, if it trained,
+    its validation BLEU."""
+    from pipeline.study_report import TRAINED, classify  # the report's rules, applied once here
+
+    cfg, directory = cell_config(spec, cell), cell_dir(spec, cell)
+    record: dict[str, Any] = {"exit": status, "seconds": seconds}
+    if status == 0 and latest_tag(directory) is not None:
+        data = Path(cfg.data.path)
+        record["valid_nll"] = valid_nll(directory, data, shuffled=False)
+        record["shuffled_nll"] = valid_nll(directory, data, shuffled=True)
+        if classify(cell_records(directory), record, read_baseline(spec), cfg)[0] == TRAINED:
+            record["bleu"] = bleu(spec, cfg, directory)
+    return record
+
+
+def cell_records(directory: Path) -> list[dict[str, Any]]:
+    from pipeline.logs import read_jsonl
+    from pipeline.train import METRICS_FILE
+
+    path = directory / METRICS_FILE
+    return read_jsonl(path) if path.exists() else []
+
+
+def read_baseline(spec: StudySpec) -> float:
+    return json.loads((Path(spec.out) / BASELINE_FILE).read_text())["unigram_nll"]
+
+
+def write_baseline(spec: StudySpec, data: Path) -> None:
+    path = Path(spec.out) / BASELINE_FILE
+    if not path.exists():
+        write_atomic(path, json.dumps({"data": str(data), "unigram_nll": unigram_nll(data)}, indent=2) + "\n")
+
+
+def duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def run(spec: StudySpec) -> None:
+    """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
+    grid = cells(spec)
+    configs = {cell: cell_config(spec, cell) for cell in grid}  # every cell checked before any trains
+    paths = {str(cfg.data.path) for cfg in configs.values()}
+    if len(paths) != 1 or None in {cfg.data.path for cfg in configs.values()}:
+        raise ConfigError(f"study: every cell needs the same prepared data.path; the cells have {sorted(paths)}")
+    Path(spec.out).mkdir(parents=True, exist_ok=True)
+    write_baseline(spec, Path(paths.pop()))
+    # Seconds per layer-step, from the cells finished so far: the estimate of the time left.
+    cost = {cell: cell.depth * configs[cell].train.max_steps for cell in grid}
+    done = {cell: r for cell in grid if (r := read_cell(spec, cell)) is not None}
+    for number, cell in enumerate(grid, 1):
+        if cell in done:
+            continue
+        print(f"study: cell {number}/{len(grid)} {cell.name}: training", flush=True)
+        tick = time.monotonic()
+        status = train_cell(spec, cell)
+        seconds = time.monotonic() - tick
+        done[cell] = evaluate(spec, cell, status, seconds)
+        write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(done[cell], indent=2) + "\n")
+        rate = sum(r["seconds"] for r in done.values()) / sum(cost[c] for c in done)
+        left = sum(cost[c] for c in grid if c not in done) * rate
+        print(f"study: cell {number}/{len(grid)} {cell.name}: ended ({'diverged' if status else 'finished'}) after "
+              f"{duration(seconds)}; about {duration(left)} left", flush=True)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", required=True, help="the study's JSON (ds_configs/study_*.json)")
+    parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
+    args = parser.parse_args(argv)
+    from pipeline.study_report import write_report
+
+    with exit_on_config_error():
+        spec = read_spec(args.study)
+        if not args.report:
+            run(spec)
+        print(f"study: report written to {write_report(spec)}")

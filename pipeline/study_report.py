@@ -1,0 +1,215 @@
+"""A depth study's classification and report, from the cells' own logs alone (pipeline/study.py).
+
+A cell is
+- `diverged`: stopped by a non-finite loss or gradient (train.on_nonfinite=stop), or its training loss
+  after warmup rose above where it started;
+- `stalled`: it ended with weights but did not learn the task: its validation loss is not clearly below
+  the target unigram baseline, or it ignores the source (validation loss with shuffled sources within a
+  small margin of the real one);
+- `trained` otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pipeline.checkpoint import write_atomic  # noqa: E402
+from pipeline.config import RunConfig  # noqa: E402
+from pipeline.logs import read_jsonl  # noqa: E402
+from pipeline.stability import GRAD_NORMS_FILE  # noqa: E402
+from pipeline.study import (  # noqa: E402
+    Cell,
+    StudySpec,
+    cell_config,
+    cell_dir,
+    cell_records,
+    cells,
+    read_baseline,
+    read_cell,
+)
+
+DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
+CLASSES = (TRAINED, STALLED, DIVERGED)
+# Nats per target token. Below the unigram baseline by less than this is not learning the task; a
+# source-ignoring decoder is a language model, whose loss barely moves when the sources are shuffled.
+BASELINE_MARGIN = 0.5
+SOURCE_MARGIN = 0.1
+REPORT = "report.md"
+
+
+def warmup_steps(cfg: RunConfig) -> int:
+    return int(cfg.deepspeed.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0))
+
+
+def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: float, cfg: RunConfig) -> tuple[str, str]:
+    """(class, why) of a cell from its metrics.jsonl records and its cell.json."""
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    if result["exit"] != 0:
+        step = losses[-1][0] + 1 if losses else 1
+        return DIVERGED, f"non-finite at step {step}"
+    if bad := [step for step, loss in losses if not math.isfinite(loss)]:
+        return DIVERGED, f"non-finite loss at step {bad[0]}"
+    start = sum(loss for _, loss in losses[:10]) / max(1, len(losses[:10]))
+    after = [loss for step, loss in losses if step > warmup_steps(cfg)]
+    tail = after[-max(1, len(after) // 10) :]
+    if tail and sum(tail) / len(tail) > start:
+        return DIVERGED, f"training loss {sum(tail) / len(tail):.2f} ended above its start {start:.2f}"
+    if "valid_nll" not in result:
+        return STALLED, "no checkpoint to evaluate"
+    nll, shuffled = result["valid_nll"], result["shuffled_nll"]
+    if nll > baseline - BASELINE_MARGIN:
+        return STALLED, f"validation loss {nll:.2f} vs unigram {baseline:.2f}"
+    if shuffled - nll < SOURCE_MARGIN:
+        return STALLED, f"ignores the source: {nll:.2f} vs {shuffled:.2f} shuffled"
+    return TRAINED, f"validation loss {nll:.2f} ({shuffled:.2f} shuffled)"
+
+
+def cell_summary(spec: StudySpec, cell: Cell, baseline: float) -> dict[str, Any] | None:
+    result = read_cell(spec, cell)
+    if result is None:
+        return None
+    label, why = classify(cell_records(cell_dir(spec, cell)), result, baseline, cell_config(spec, cell))
+    return {"cell": cell.name, "class": label, "why": why, **result}
+
+
+def entry(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return "not run"
+    if summary["class"] == TRAINED:
+        return f"trained: {summary['valid_nll']:.2f}, BLEU {summary['bleu']:.1f}"
+    return f"{summary['class']}: {summary['why']}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def tables(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str:
+    """Schemes x depths; then, for a sensitivity grid, schemes x (learning rate, warmup)."""
+    depths = sorted(spec.depths)
+    rows = [[scheme, *(entry(summaries[Cell(scheme, d)]) for d in depths)] for scheme in spec.schemes]
+    text = markdown_table(["scheme", *(f"{d}L-{d}L" for d in depths)], rows)
+    if s := spec.sensitivity:
+        columns = [(lr, w) for lr in s.lrs for w in s.warmups]
+        header = [f"scheme ({s.depth}L-{s.depth}L)", *(f"lr {lr:g}, warmup {w}" for lr, w in columns)]
+        rows = [
+            [scheme, *(entry(summaries[Cell(scheme, s.depth, lr, w)]) for lr, w in columns)] for scheme in s.schemes
+        ]
+        text += "\n\n" + markdown_table(header, rows)
+    return text
+
+
+def divergence_map(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], out: Path) -> None:
+    depths = sorted(spec.depths)
+    colors = {TRAINED: 2, STALLED: 1, DIVERGED: 0}
+    grid = [[colors.get((summaries[Cell(s, d)] or {}).get("class"), math.nan) for d in depths] for s in spec.schemes]
+    fig, ax = plt.subplots(figsize=(1.4 * len(depths) + 2, 0.6 * len(spec.schemes) + 1.5))
+    ax.imshow(grid, cmap=matplotlib.colors.ListedColormap(["#d62728", "#ffbf00", "#2ca02c"]), vmin=0, vmax=2)
+    for i, scheme in enumerate(spec.schemes):
+        for j, depth in enumerate(depths):
+            summary = summaries[Cell(scheme, depth)]
+            ax.text(j, i, summary["class"] if summary else "-", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(depths)), [f"{d}L-{d}L" for d in depths])
+    ax.set_yticks(range(len(spec.schemes)), spec.schemes)
+    ax.set_title("which scheme trains at which depth")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def loss_curves(spec: StudySpec, out: Path) -> None:
+    depths = sorted(spec.depths)
+    fig, axes = plt.subplots(1, len(depths), figsize=(3.2 * len(depths), 3.2), squeeze=False, sharey=True)
+    for ax, depth in zip(axes[0], depths, strict=True):
+        for scheme in spec.schemes:
+            valid = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "valid_loss" in r]
+            if valid:
+                ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", ms=3, label=scheme)
+        ax.set_title(f"{depth}L-{depth}L")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (label-smoothed)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
+    """BranchNorm paper Fig. 3's analogue: gradient norm and loss per step early on, deepest depth."""
+    depth = max(spec.depths)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    for scheme in spec.schemes:
+        records = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "loss" in r][:steps]
+        if records:
+            top.plot([r["step"] for r in records], [r["grad_norm"] for r in records], lw=0.8, label=scheme)
+            bottom.plot([r["step"] for r in records], [r["loss"] for r in records], lw=0.8, label=scheme)
+    top.set_yscale("log")
+    top.set_ylabel("gradient norm (before clipping)")
+    bottom.set_ylabel("training loss")
+    bottom.set_xlabel("step")
+    top.set_title(f"the first {steps} steps at {depth}L-{depth}L")
+    top.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def heatmap(spec: StudySpec, out: Path) -> bool:
+    """Per-layer gradient norms over steps of the chosen cell (its grad_norms.jsonl); False if none."""
+    path = Path(spec.out) / "cells" / str(spec.heatmap) / GRAD_NORMS_FILE
+    if spec.heatmap is None or not path.exists():
+        return False
+    records = read_jsonl(path)
+    names = list(records[0]["norms"])
+    grid = [[math.log10(max(r["norms"][n], 1e-12)) for r in records] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.04 * len(names) + 2.5))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xticks(range(0, len(records), max(1, len(records) // 8)),
+                  [str(records[i]["step"]) for i in range(0, len(records), max(1, len(records) // 8))])  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer (input side at the top)")
+    ax.set_title(f"{spec.heatmap}: log10 gradient norm per layer")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(spec: StudySpec) -> Path:
+    """STUDY/report.md with its figures and STUDY/summary.json, from the cells' logs; returns the report."""
+    out = Path(spec.out)
+    baseline = read_baseline(spec)
+    summaries = {cell: cell_summary(spec, cell, baseline) for cell in cells(spec)}
+    divergence_map(spec, summaries, out / "divergence_map.png")
+    loss_curves(spec, out / "valid_loss.png")
+    early_steps(spec, out / "early_steps.png")
+    figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
+    if heatmap(spec, out / "grad_norm_heatmap.png"):
+        figures.append("grad_norm_heatmap.png")
+    seconds = sum(s["seconds"] for s in summaries.values() if s)
+    lines = [
+        f"# Depth study: {out.name}",
+        "",
+        f"Entries: class, then validation loss (unsmoothed nats per token) and validation BLEU for trained cells. "
+        f"Unigram baseline {baseline:.2f}. Training time of the finished cells: {seconds / 3600:.2f} h.",
+        "",
+        tables(spec, summaries),
+        "",
+        *[f"![{name}]({name})" for name in figures],
+        "",
+    ]
+    write_atomic(out / REPORT, "\n".join(lines))
+    finished = [s for s in summaries.values() if s]
+    write_atomic(out / "summary.json", json.dumps(finished, indent=2) + "\n")
+    return out / REPORT

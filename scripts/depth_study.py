@@ -1,0 +1,9 @@
+"""Runs a depth study (schemes x depths on real data) and writes its report; see pipeline/study.py.
+
+python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
+"""
+
+from pipeline.study import main
+
+if __name__ == "__main__":
+    main()

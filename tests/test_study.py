@@ -1,0 +1,113 @@
+"""The depth study's machinery on a tiny grid (seconds per cell): every cell through the real launcher,
+a cell made to diverge classified so, a killed study resumed without retraining finished cells, and
+the report rebuilt from the cells' logs alone. The classification rules on hand-made logs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.study import CELL_FILE, Cell, StudySpec, cells, read_spec
+from pipeline.study_report import DIVERGED, STALLED, TRAINED, classify
+from tests.conftest import ROOT
+
+CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
+
+
+def steps(losses):
+    return [{"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]
+
+
+@pytest.mark.parametrize(
+    "records, result, expected",
+    [
+        (steps([5.0, 4.0]), {"exit": 3}, (DIVERGED, "non-finite at step 3")),
+        (steps([5.0, float("nan")]), {"exit": 0}, (DIVERGED, "non-finite loss at step 2")),
+        (steps([5.0] * 10 + [4.0] * 10 + [9.0] * 5), {"exit": 0}, (DIVERGED, "ended above its start")),
+        (steps([5.0, 4.0]), {"exit": 0, "valid_nll": 4.9, "shuffled_nll": 6.0}, (STALLED, "vs unigram 5.00")),
+        (steps([5.0, 4.0]), {"exit": 0, "valid_nll": 3.0, "shuffled_nll": 3.05}, (STALLED, "ignores the source")),
+        (steps([5.0, 4.0]), {"exit": 0, "valid_nll": 3.0, "shuffled_nll": 4.0}, (TRAINED, "validation loss 3.00")),
+    ],
+)
+def test_classification(records, result, expected):
+    label, why = classify(records, result, baseline=5.0, cfg=CONFIG)
+    assert label == expected[0] and expected[1] in why, why
+
+
+def test_the_grid_runs_shallow_cells_first_and_names_them():
+    spec = StudySpec(config="c", out="o", schemes=["a", "b"], depths=[12, 6], sensitivity=None)
+    assert [c.name for c in cells(spec)] == ["a-6L", "b-6L", "a-12L", "b-12L"]
+    assert Cell("a", 6, 0.001, 0).overrides()[-1] == "scheduler.params.warmup_num_steps=1"
+
+
+def write_study(tmp_path, data):
+    study = {
+        "config": "ds_configs/default.json",
+        "out": str(tmp_path / "study"),
+        "schemes": ["pre_ln"],
+        "depths": [1, 2],
+        "overrides": [
+            f"data.path={data}",
+            "train.max_steps=12",
+            "train.save_interval=3",
+            "train.valid_interval=6",
+            "model.embed_dim=32",
+            "model.ffn_dim=64",
+            "train.grad_norm_interval=2",
+        ],  # fmt: skip
+        "sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [100.0], "warmups": [0]},  # made to diverge
+        "heatmap": "pre_ln-2L",
+        "beam": 2,
+    }
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps(study))
+    return path
+
+
+def study(path, *args):
+    command = [sys.executable, "scripts/depth_study.py", "--study", str(path), *args]
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
+    path = write_study(tmp_path, multi30k_slice)
+    spec = read_spec(path)
+    first, second, third = (tmp_path / "study" / "cells" / c.name for c in cells(spec))
+    killed = study(path)
+    deadline = time.monotonic() + 300
+    while not (first / CELL_FILE).exists() or not (second / "latest").exists():  # a checkpoint of cell 2
+        if killed.poll() is not None or time.monotonic() > deadline:
+            os.killpg(killed.pid, signal.SIGKILL)
+            pytest.fail(f"the study ended or hung before cell 2's first checkpoint: {killed.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+    os.killpg(killed.pid, signal.SIGKILL)  # the study and the cell's ranks, mid-cell
+    killed.wait()
+    finished = (first / CELL_FILE).read_text()
+
+    resumed = study(path)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output[-3000:]
+    assert "cell 1/3" not in output and "cell 2/3 pre_ln-2L: training" in output, output[-3000:]
+    assert (first / CELL_FILE).read_text() == finished
+    assert "resumed from" in (second.parent / "pre_ln-2L.log").read_text()  # from its checkpoint, not step 0
+    summary = {s["cell"]: s for s in json.loads((tmp_path / "study" / "summary.json").read_text())}
+    assert summary["pre_ln-1L-lr100-warmup0"]["class"] == DIVERGED
+    assert {summary[c]["class"] for c in ("pre_ln-1L", "pre_ln-2L")} <= {TRAINED, STALLED}
+    assert all("valid_nll" in summary[c] for c in ("pre_ln-1L", "pre_ln-2L"))
+    assert third.exists()
+
+    report = (tmp_path / "study" / "report.md").read_text()
+    for name in ("report.md", "summary.json", "divergence_map.png", "grad_norm_heatmap.png"):
+        (tmp_path / "study" / name).unlink()
+    rebuilt = study(path, "--report")
+    assert rebuilt.wait(timeout=300) == 0
+    assert (tmp_path / "study" / "report.md").read_text() == report
+    assert (tmp_path / "study" / "grad_norm_heatmap.png").read_bytes()[:4] == b"\x89PNG"

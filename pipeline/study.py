@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
 BASELINE_FILE = "baseline.json"
-FIXED_DEPTH = 10  # measured: a 6L-6L cell of the default study took 142 s, a 100L-100L step ~9x a 6L-6L one
+FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
 
 @dataclass

@@ -44,6 +44,7 @@ from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import (
     CONFIG_FILE,
     LATEST,
+    MODEL_STATES,
     damage,
     fsync_dir,
     global_step,
@@ -54,12 +55,12 @@ from pipeline.checkpoint import (
     model_config,
     plain_name,
     read_manifest,
+    schedule_step,
 )
 from pipeline.commit import BEST
 from pipeline.layers import layer_specs
 from pipeline.staging import staged
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
 SUMMARY = "fathom_average.json"
 STEP_TAG = re.compile(r"global_step(\d+)")
 ONE_RUN = "average checkpoints of one run"
@@ -246,7 +247,8 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
     with staged(save_dir / out_tag) as staging:
         for name in names:
             save_synced(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
-        save_synced({"global_steps": summary["global_steps"]}, staging / MODEL_STATES)
+        states = {"global_steps": summary["global_steps"], "schedule_step": schedule_step(checkpoints[-1][1])}
+        save_synced(states, staging / MODEL_STATES)
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         fsync_dir(staging)
     fsync_dir(save_dir)

@@ -25,6 +25,7 @@ from pipeline.hooks import ScheduleHook
 
 CONFIG_FILE = "config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
 MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/commit.py)
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
@@ -215,19 +216,37 @@ def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
         )
 
 
+def model_states(checkpoint: Path) -> dict[str, Any] | None:
+    """DeepSpeed's mp_rank_00_model_states.pt of a checkpoint (its step counters), None if absent."""
+    path = checkpoint / MODEL_STATES
+    if not path.exists():
+        return None
+    try:
+        return load_file(path)
+    except ConfigError:  # it names DeepSpeed's classes (ZeRO 0's optimizer state, fp16's loss scaler)
+        return load_file(path, allowed=deepspeed_state_types())
+
+
 def global_step(checkpoint: Path) -> int:
     """The optimizer steps a checkpoint had taken: from fathom's manifest, else from DeepSpeed's
     model-states file (weights converted from fairseq have neither: step 0)."""
     if (checkpoint / MANIFEST).exists():
         return int(json.loads((checkpoint / MANIFEST).read_text())["step"])
-    path = checkpoint / "mp_rank_00_model_states.pt"
-    if not path.exists():
-        return 0
-    try:
-        states = load_file(path)
-    except ConfigError:  # it names DeepSpeed's classes (ZeRO 0's optimizer state, fp16's loss scaler)
-        states = load_file(path, allowed=deepspeed_state_types())
-    return int(states["global_steps"])
+    states = model_states(checkpoint)
+    return 0 if states is None else int(states["global_steps"])
+
+
+def schedule_step(checkpoint: Path) -> int:
+    """The step a checkpoint's step-dependent values (BranchNorm's alpha_t) belong to: the updates its
+    run applied (steps skipped as non-finite do not count) plus the step train.init_from's weights
+    started at. Checkpoints from before fathom recorded it: global steps less skipped ones."""
+    manifest = read_manifest(checkpoint)
+    if manifest is not None and "schedule_step" in manifest:
+        return int(manifest["schedule_step"])
+    states = model_states(checkpoint)
+    if states is None:
+        return 0 if manifest is None else int(manifest["step"])
+    return int(states.get("schedule_step", states["global_steps"] - states.get("skipped_steps", 0)))
 
 
 # What must agree for one model's weights to load into another.
@@ -273,5 +292,5 @@ def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
     for index, name in saved_layers(cfg):
         state = load_file(layer_file(checkpoint, index))
         model.get_submodule(name).load_state_dict(state)
-    ScheduleHook(model)(global_step(checkpoint))
+    ScheduleHook(model)(schedule_step(checkpoint))
     return model.eval()

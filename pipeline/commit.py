@@ -96,8 +96,11 @@ def best_tag(step: int) -> str:
     return f"{BEST}_global_step{step}"
 
 
-def save(engine: deepspeed.PipelineEngine, save_dir: str | Path, client_state: dict[str, Any], best: bool) -> str:
-    """Saves and commits one checkpoint on all ranks; returns its tag."""
+def save(
+    engine: deepspeed.PipelineEngine, save_dir: str | Path, client_state: dict[str, Any], best: bool, schedule_step: int
+) -> str:
+    """Saves and commits one checkpoint on all ranks, its manifest recording the schedule step its
+    step-dependent values belong to (checkpoint.schedule_step); returns its tag."""
     save_dir = Path(save_dir)
     tag = best_tag(engine.global_steps) if best else f"global_step{engine.global_steps}"
     writer: CommittingCheckpointEngine = engine.checkpoint_engine
@@ -111,7 +114,8 @@ def save(engine: deepspeed.PipelineEngine, save_dir: str | Path, client_state: d
     dist.all_gather_object(every_rank, writer.written)
     if dist.get_rank() == 0:
         files = {name: entry for written in every_rank for name, entry in written.items()}
-        manifest = {"tag": tag, "step": engine.global_steps, "world_size": dist.get_world_size(), "files": files}
+        manifest = {"tag": tag, "step": engine.global_steps, "schedule_step": schedule_step,
+                    "world_size": dist.get_world_size(), "files": files}  # fmt: skip
         write_atomic(save_dir / tag / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         if best:
             previous = (save_dir / BEST).resolve() if (save_dir / BEST).is_symlink() else None

@@ -82,6 +82,10 @@ class TrainConfig:
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
     init_from: str | None = None
+    # The schedule step (BranchNorm's t) train.init_from's weights start at; null: the step they were
+    # saved at (0 for weights converted from fairseq), so alpha_t goes on from where it was rather than
+    # cutting every branch of trained weights at t = 0.
+    init_step: int | None = None
     # Seconds a rank may go without progress (a step, a validation pass, a checkpoint save or load)
     # before the job ends naming the rank to blame (pipeline/watchdog.py). Half an hour, torch's default
     # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on
@@ -114,6 +118,11 @@ class TrainConfig:
             raise ConfigError('train.best_metric: bleu needs train.valid_bleu; set it, e.g. {"beam": 4}')
         if self.valid_bleu is not None and self.valid_interval == 0:
             raise ConfigError("train.valid_bleu: BLEU is computed at validations; set train.valid_interval")
+        if self.init_step is not None and (self.init_from is None or self.init_step < 0):
+            raise ConfigError(
+                f"train.init_step: {self.init_step}; it is the step train.init_from's weights start at: set "
+                "train.init_from, and a step >= 0"
+            )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ConfigError(f"train.on_nonfinite: {self.on_nonfinite!r}; use one of {', '.join(ON_NONFINITE)}")
 

@@ -37,11 +37,11 @@ from model.norms import SCHEMES, build_scheme
 from pipeline.checkpoint import (
     check_vocab,
     checkpoint_dir,
-    global_step,
     layer_file,
     load_file,
     missing_layer_files,
     model_config,
+    schedule_step,
 )
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import collate
@@ -201,7 +201,7 @@ class Export:
             )
         checkpoint = checkpoint_dir(save_dir, tag)
         missing_layer_files(cfg, checkpoint)
-        return cls(checkpoint, cfg, scheme.plain_config(), global_step(checkpoint))
+        return cls(checkpoint, cfg, scheme.plain_config(), schedule_step(checkpoint))
 
     def folded_layers(self, trained: SpecRunner) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
         """((plain name, plain spec), folded plain module) in spec order; `trained` runs the trained layers."""

@@ -29,6 +29,7 @@ from pipeline.checkpoint import (
     check_init_from,
     checkpoint_dir,
     latest_tag,
+    schedule_step,
     write_atomic,
     write_dictionaries,
 )
@@ -57,6 +58,7 @@ from pipeline.watchdog import Watchdog, backend_timeout
 from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
 
 METRICS_FILE = "metrics.jsonl"
+SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
 TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 
 
@@ -133,6 +135,13 @@ def load_weights(engine: deepspeed.PipelineEngine, checkpoint: Path) -> None:
 def profile_batch(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatch:
     """The first micro-batch of the run, the same on every rank."""
     return next(MicroBatches(corpus, cfg.batch_size, cfg.train.seed))
+
+
+def updates(engine: deepspeed.PipelineEngine, offset: int) -> int:
+    """The step the schedules see (BranchNorm's t): updates applied, plus where train.init_from's weights
+    started (`offset`). DeepSpeed counts a skipped step in global_steps; its LR schedule does not move
+    on one, nor does fairseq's update counter, so neither does alpha_t."""
+    return offset + engine.global_steps - engine.skipped_steps
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -257,7 +266,7 @@ class Best:
 def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> dict[str, Any]:
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
     Admin's profiled omegas, and writes the run's records. Returns the client state of the checkpoint
-    resumed from (empty for a new run)."""
+    resumed from, with the run's schedule offset (SCHEDULE_OFFSET) set."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     client_state: dict[str, Any] = {}
     if resume and latest_tag(save_dir) is not None:
@@ -268,11 +277,15 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         write_atomic(save_dir / CONFIG_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
         if isinstance(corpus, BinarizedCorpus):
             write_dictionaries(save_dir, corpus, cfg.data.path)
+    client_state.setdefault(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
         commit.verify_contents(cfg.train.init_from, weights_only=True)
-        load_weights(engine, checkpoint_dir(cfg.train.init_from))
+        source = checkpoint_dir(cfg.train.init_from)
+        load_weights(engine, source)
+        init_step = cfg.train.init_step
+        client_state[SCHEDULE_OFFSET] = schedule_step(source) if init_step is None else init_step
         if rank == 0:
-            print(f"fathom: initialized from {cfg.train.init_from}", flush=True)
+            print(f"fathom: initialized from {source}, schedules from step {client_state[SCHEDULE_OFFSET]}", flush=True)
     # A resumed or initialized run has its omegas in the checkpoint.
     if build_scheme(cfg.model).profiled and engine.global_steps == 0 and not cfg.train.init_from:
         message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
@@ -361,6 +374,11 @@ def run(
     )
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
     best = Best(cfg.train.best_metric, client_state)
+    offset = client_state[SCHEDULE_OFFSET]
+
+    def state() -> dict[str, Any]:  # what every checkpoint keeps beside DeepSpeed's own state
+        return {**best.state(), SCHEDULE_OFFSET: offset}
+
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
@@ -373,12 +391,12 @@ def run(
             flush=True,
         )
     while engine.global_steps < cfg.train.max_steps:
-        step = engine.global_steps
+        step, t = engine.global_steps, updates(engine, offset)
         watchdog.progress(f"training step {step + 1}")
         for hook in hooks:
-            hook(step)
+            hook(t)
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(step), **guard.step_record()}
+        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(t), **guard.step_record()}
         metrics.write(record)
         done = record["step"]
         if guard.found is not None:
@@ -387,18 +405,18 @@ def run(
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
         if validation and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
-            for hook in hooks:  # the model after step s is evaluated (and exported) at step s
-                hook(done)
+            for hook in hooks:  # the model after step s is evaluated (and exported) at its schedule step
+                hook(updates(engine, offset))
             record = validation(done)
             if best.update(record[f"valid_{best.metric}"]):
                 watchdog.progress(f"checkpoint save after step {done}")
-                commit.save(engine, save_dir, best.state(), best=True)
+                commit.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
             metrics.write({**record, **best.state()})
             if rank == 0:
                 print(validation_line(record, best), flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
-            commit.save(engine, save_dir, best.state(), best=False)
+            commit.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:

@@ -107,7 +107,7 @@ def test_load_reference_reads_the_average_at_the_newest_step(run, capsys):
     assert global_step(average) == 10
     assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.1}  # alpha_t at 10 of 100
     # nothing to resume from, and the run's own pointers untouched
-    assert load_file(average / "mp_rank_00_model_states.pt") == {"global_steps": 10}
+    assert load_file(average / "mp_rank_00_model_states.pt") == {"global_steps": 10, "schedule_step": 10}
     assert not list(average.glob("*optim_states*")) and not (average / commit.MANIFEST).exists()
     assert commit.latest_tag(run) == "global_step10" and (run / commit.BEST).readlink().name == "best_global_step12"
     summary = json.loads((average / "fathom_average.json").read_text())
@@ -235,3 +235,14 @@ def test_bad_input_is_one_line_and_writes_nothing(run, capsys, case):
     assert len(err.splitlines()) == 1 and err.startswith("fathom: error: "), err
     assert message in err, err
     assert snapshot(run) == before, "a refused average changed the run directory"
+
+
+def test_alpha_is_read_at_the_updates_a_checkpoint_applied(run):
+    """A run that skipped non-finite steps, or started from train.init_from's weights, records the
+    schedule step in the manifest; generation, export and averaging read alpha_t there."""
+    manifest = json.loads((run / "global_step10" / commit.MANIFEST).read_text())
+    (run / "global_step10" / commit.MANIFEST).write_text(json.dumps({**manifest, "schedule_step": 4}))
+    model = load_reference(run, "global_step10")
+    assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.04}
+    main(["--checkpoint", str(run), "--tags", "global_step9", "global_step10"])
+    assert load_file(run / "avg_9_10" / "mp_rank_00_model_states.pt")["schedule_step"] == 4

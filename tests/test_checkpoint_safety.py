@@ -216,3 +216,17 @@ def test_resume_drops_a_metrics_line_torn_by_a_crash(run, multi30k_slice):
     warnings = [line for line in output.splitlines() if "fathom: warning:" in line]
     assert len(warnings) == 1 and "metrics.jsonl: line 3 is cut short" in warnings[0], output[-3000:]
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_init_from_goes_on_with_alpha_from_the_source_step(trained, multi30k_slice, tmp_path):
+    """train.init_from used to start BranchNorm at t = 0 on trained weights: alpha_t = 0 cuts every
+    branch. The schedules now go on from the source's step, or from train.init_step."""
+    for init_step, t in ((None, 2), (0, 0)):  # the source applied 2 updates
+        fresh = tmp_path / f"fresh{t}"
+        extra = [f"train.init_from={trained}", "train.max_steps=1"]
+        extra += [] if init_step is None else [f"train.init_step={init_step}"]
+        result = launch(ROOT / "scripts" / "train.py", *train_args(fresh, multi30k_slice, *extra))
+        assert result.returncode == 0 and f"schedules from step {t}" in result.stdout
+        assert read_jsonl(fresh / "metrics.jsonl")[0]["alpha"] == pytest.approx(t / 100)  # default.json: T = 100
+        assert read_manifest(fresh / "global_step1")["schedule_step"] == t + 1

@@ -149,6 +149,7 @@ VALUES = {
     "train.save_dir=": "train.save_dir: empty; name the directory for checkpoints",
     "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
     "train.max_steps=0": "train.max_steps: must be at least 1, got 0",  # trained nothing, exit 0
+    "train.init_step=5": "train.init_step: 5; it is the step train.init_from's weights start at",
     # DeepSpeed warned (silenced) and warmed up by log instead
     "scheduler.params.warmup_type=lienar": "scheduler.params.warmup_type: 'lienar'; choose one of linear, log",
     # a string from --override failed inside the scheduler's arithmetic
@@ -307,6 +308,9 @@ def test_init_from_must_describe_the_same_model(tmp_path, capsys, monkeypatch):
     args = ["--config", str(write_config(tmp_path)), "--override", f"train.init_from={source}"]
     err = fail(capsys, args, monkeypatch=monkeypatch)
     assert "train.init_from: model.encoder_layers is 6 in" in err and "must describe the same model" in err
+    (source / "config.json").write_text(json.dumps({"model": {**model, "norm_scheme": "post_ln"}}))
+    err = fail(capsys, args, monkeypatch=monkeypatch)  # weights of another scheme mean something else
+    assert "train.init_from: model.norm_scheme is post_ln in" in err and "but branchnorm here" in err
     (source / "config.json").write_text(json.dumps({"model": model}))
     err = fail(capsys, args, monkeypatch=monkeypatch)
     assert "layer files missing (first layer_00-model_states.pt)" in err

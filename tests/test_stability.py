@@ -181,6 +181,7 @@ def test_skip_leaves_weights_and_optimizer_state_as_they_were(skip_runs, case):
     healthy = records[:2] + records[3:]
     assert not any("skipped" in r for r in healthy) and all(math.isfinite(r["loss"]) for r in healthy)
     assert records[3]["lr"] == records[2]["lr"] != records[4]["lr"]  # the warm-up waited a step
+    assert records[3]["alpha"] == records[2]["alpha"] != records[4]["alpha"]  # so did BranchNorm's alpha_t
 
     files = sorted(p.name for p in (save / "global_step2").glob("*.pt"))
     # Adam's moments are in the optimizer states (ZeRO) or the model states file (no ZeRO)

@@ -1,7 +1,8 @@
 """Admin's two-phase initialization (Liu et al. 2020, Sec. 4.3; Liu et al. 2020b, Sec. 3).
 
 Profiling: the model as built (fairseq's initialization, every omega = 1) runs forward over one
-batch without dropout, and each sublayer i records Var[f_i(x_{i-1})], the variance of its branch
+batch, without dropout unless model.admin.profile_dropout (the authors' code profiles in training
+mode, with dropout: omegas about 5% larger), and each sublayer i records Var[f_i(x_{i-1})], the variance of its branch
 output. Initialization, counted separately over the encoder's 2N and the decoder's 3M sublayers:
 
     omega_1 = 1,    omega_i = sqrt(Var[x_0] + sum_{j<i} Var[f_j(x_{j-1})])   for i >= 2
@@ -90,14 +91,32 @@ def apply_omegas(residuals: dict[str, AdminResidual], omegas: dict[str, float]) 
             module.omega.fill_(omegas[name])
 
 
-def profile(model: nn.Module, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> Variances:
-    """The profiling pass of a single-process Transformer."""
-    was_training = model.training
+@contextmanager
+def dropout_during(model: nn.Module, active: bool) -> Iterator[None]:
+    """With `active`, dropout applies in the passes inside, even those run in eval mode (DeepSpeed's
+    eval_batch sets it): every module is put in training mode as its forward starts. The mode each
+    had is restored at the end."""
+    modes = {m: m.training for m in model.modules()}
+
+    def training(module: nn.Module, args: tuple) -> None:
+        module.training = True
+
+    handles = [m.register_forward_pre_hook(training) for m in model.modules()] if active else []
     try:
-        with recording(admin_residuals(model)) as record, torch.no_grad():
-            model.eval()(src_tokens, prev_output_tokens)
+        yield
     finally:
-        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def profile(
+    model: nn.Module, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor, dropout: bool = False
+) -> Variances:
+    """The profiling pass of a single-process Transformer (with `dropout`, as the authors' code runs it)."""
+    with recording(admin_residuals(model)) as record, torch.no_grad(), dropout_during(model, dropout):
+        model.eval()(src_tokens, prev_output_tokens)
     return record
 
 

@@ -218,6 +218,10 @@ class Admin(NormScheme):
     class Options:
         # A profile an earlier run wrote (<save_dir>/admin_profile.json): use its omegas, skip profiling.
         profile: str | None = None
+        # Profile with dropout on, as the Admin authors' code does (training mode). Off by default: the
+        # omegas then depend on the weights and the batch only, the same at any stage count, and
+        # Admin's papers describe the pass as a plain forward pass.
+        profile_dropout: bool = False
 
     def residual(self, side: Side) -> nn.Module:
         return AdminResidual(self.cfg.embed_dim)

@@ -18,6 +18,7 @@ from model.admin import (
     PROFILE_FILE,
     Variances,
     apply_omegas,
+    dropout_during,
     load_profile,
     omegas_from,
     recording,
@@ -42,10 +43,10 @@ def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResid
 
 
 def profile_pipeline(
-    engine: deepspeed.PipelineEngine, residuals: dict[str, AdminResidual], batch: MicroBatch
+    engine: deepspeed.PipelineEngine, residuals: dict[str, AdminResidual], batch: MicroBatch, dropout: bool
 ) -> Variances:
     """The variances of every sublayer of the model, on every rank, from this stage's `residuals`."""
-    with recording(residuals) as record:
+    with recording(residuals) as record, dropout_during(engine.module, dropout):
         engine.eval_batch(iter([batch]), num_micro_batches=1)
     stages = [None] * engine.grid.get_pipe_parallel_world_size()
     dist.all_gather_object(stages, record, group=engine.grid.get_pipe_parallel_group())
@@ -71,7 +72,7 @@ def initialize(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroB
         omegas = load_profile(reuse, cfg)
         message = f"admin omegas from {reuse}"
     else:
-        variances = profile_pipeline(engine, residuals, batch)
+        variances = profile_pipeline(engine, residuals, batch, build_scheme(cfg).options.profile_dropout)
         omegas = omegas_from(variances, cfg)
         if dist.get_rank() == 0:
             save_profile(save_dir / PROFILE_FILE, variances, omegas)

@@ -87,3 +87,18 @@ def test_unusable_profiles_are_one_line_errors(tmp_path):
     save_profile(tmp_path / "p.json", {}, omegas)
     with pytest.raises(ConfigError, match=r"profiles 12 sublayers, this model has 15 \(3L-3L\); profile again"):
         load_profile(tmp_path / "p.json", config("admin", decoder_layers=3))
+
+
+def test_profiling_with_dropout_as_the_authors_code_gives_larger_omegas():
+    """model.admin.profile_dropout: dropout scales the surviving activations up, so every branch's
+    variance, and every omega after the first of a stack, grows; the model's mode is left as it was."""
+    torch.manual_seed(0)
+    cfg = config("admin", encoder_layers=4, decoder_layers=4, dropout=0.3)
+    model = Transformer(cfg).eval()
+    src, prev = torch.randint(4, 30, (8, 9)), torch.randint(4, 30, (8, 8))
+    plain = omegas_from(profile(model, src, prev), cfg)
+    assert omegas_from(profile(model, src, prev), cfg) == plain  # no dropout: no randomness
+    with_dropout = omegas_from(profile(model, src, prev, dropout=True), cfg)
+    ratios = [with_dropout[name] / plain[name] for name in plain if plain[name] != 1.0]
+    assert len(ratios) == 2 * 4 - 1 + 3 * 4 - 1 and min(ratios) > 1.0
+    assert not model.training and not any(m.training for m in model.modules())

@@ -161,6 +161,19 @@ def train(save_dir, *overrides, resume=False):
     return launch(ROOT / "scripts" / "train.py", *args, "--override", f"train.save_dir={save_dir}", *overrides)
 
 
+def test_admin_profiles_with_dropout_through_the_stages_when_asked(tmp_path):
+    """model.admin.profile_dropout=true: the 2-stage profiling pass (DeepSpeed's eval_batch, which sets
+    eval mode) runs with dropout, as the authors' code does, and every omega after a stack's first grows."""
+    admin = ["model.norm_scheme=admin", "model.encoder_layers=3", "model.decoder_layers=3", "model.dropout=0.3",
+             "train.max_steps=1"]  # fmt: skip
+    omegas = {}
+    for dropout in ("false", "true"):
+        assert train(tmp_path / dropout, *admin, f"model.admin.profile_dropout={dropout}").returncode == 0
+        omegas[dropout] = json.loads((tmp_path / dropout / PROFILE_FILE).read_text())["omegas"]
+    grown = [omegas["true"][name] / omega for name, omega in omegas["false"].items() if omega != 1.0]
+    assert len(grown) == 2 * 3 - 1 + 3 * 3 - 1 and min(grown) > 1.0
+
+
 def test_resume_matches_uninterrupted_run(tmp_path):
     """Default config (BranchNorm, dropout, 2 stages, ZeRO-1, checkpointing), shortened: T = 8 so alpha
     still moves when the run is cut at step 6."""

@@ -117,20 +117,21 @@ def cell_dir(spec: StudySpec, cell: Cell) -> Path:
     return Path(spec.out) / CELLS / cell.name
 
 
+def cell_overrides(spec: StudySpec, cell: Cell) -> list[str]:
+    return [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
+
+
 def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:
     """The cell's run config, checked as train.py checks it."""
-    overrides = [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
-    return load_config(ROOT / spec.config, overrides, world_size=None)
+    return load_config(ROOT / spec.config, cell_overrides(spec, cell), world_size=None)
 
 
 def command(spec: StudySpec, cell: Cell, port: int) -> list[str]:
     """What a user would type for this cell: scripts/launch.py (DeepSpeed's launcher, checked first)."""
-    cfg = cell_config(spec, cell)
-    overrides = [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
     return [
-        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cfg.stages), "--master_port",
-        str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config), "--override",
-        *overrides, "--resume",
+        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cell_config(spec, cell).stages),
+        "--master_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config),
+        "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip
 
 
@@ -251,9 +252,11 @@ def run(spec: StudySpec) -> None:
     """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
     grid = cells(spec)
     configs = {cell: cell_config(spec, cell) for cell in grid}  # every cell checked before any trains
-    paths = {str(cfg.data.path) for cfg in configs.values()}
-    if len(paths) != 1 or None in {cfg.data.path for cfg in configs.values()}:
-        raise ConfigError(f"study: every cell needs the same prepared data.path; the cells have {sorted(paths)}")
+    paths = {cfg.data.path for cfg in configs.values()}
+    if len(paths) != 1 or None in paths:
+        raise ConfigError(
+            f"study: every cell needs the same prepared data.path; the cells have {sorted(map(str, paths))}"
+        )
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     write_baseline(spec, Path(paths.pop()))
     # Seconds per unit of (depth + FIXED_DEPTH) x steps, from the cells finished so far: the estimate of

@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.study import CELL_FILE, Cell, StudySpec, cells, read_spec
+from pipeline.study import main as study_main
 from pipeline.study_report import DIVERGED, STALLED, TRAINED, classify
 from tests.conftest import ROOT
 
@@ -111,3 +112,22 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
     assert rebuilt.wait(timeout=300) == 0
     assert (tmp_path / "study" / "report.md").read_text() == report
     assert (tmp_path / "study" / "grad_norm_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"schemse": ["pre_ln"]}, "study.schemse: unknown key; did you mean 'schemes'?"),
+        ({"schemes": ["deep_norm"]}, "model.norm_scheme: unknown scheme 'deep_norm'"),
+        ({"depths": [0]}, "study: depth 0; depths are layers per side, at least 1"),
+        ({"overrides": ["modle.dropout=0.1"]}, "modle: neither a section of fathom's"),
+    ],
+)
+def test_a_bad_study_is_one_line_before_any_cell_trains(tmp_path, capsys, multi30k_slice, change, message):
+    path = write_study(tmp_path, multi30k_slice)
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(SystemExit) as exc:
+        study_main(["--study", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "study").exists()

@@ -176,8 +176,10 @@ def heatmap(spec: StudySpec, out: Path) -> bool:
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xticks(range(0, len(records), max(1, len(records) // 8)),
                   [str(records[i]["step"]) for i in range(0, len(records), max(1, len(records) // 8))])  # fmt: skip
+    ticks = [i for i, name in enumerate(names) if not name[-1].isdigit() or name.endswith(".0")]
+    ax.set_yticks(ticks, [names[i] for i in ticks], fontsize=7)  # where each stack starts
     ax.set_xlabel("step")
-    ax.set_ylabel("layer (input side at the top)")
+    ax.set_ylabel("layer (pipeline order)")
     ax.set_title(f"{spec.heatmap}: log10 gradient norm per layer")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()

@@ -171,13 +171,13 @@ def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
     return None
 
 
-def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = ()) -> Any:
+def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = (), verify: bool = True) -> Any:
     """torch.load that cannot run code (weights_only; `allowed` names the plain-data classes a format
     needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling. A
-    file of a committed checkpoint is first checked against its manifest: torch.load reads flipped
-    bytes in a tensor without complaint."""
+    file of a committed checkpoint is first checked against its manifest (unless the caller has
+    `verify`-ed it already): torch.load reads flipped bytes in a tensor without complaint."""
     path = Path(path)
-    manifest = read_manifest(path.parent)
+    manifest = read_manifest(path.parent) if verify else None
     if manifest is not None and path.name in manifest["files"]:
         if problem := damage(path, manifest["files"][path.name], read=True):
             raise ConfigError(problem)

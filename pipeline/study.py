@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from model.config import PAD, ConfigError, exit_on_config_error, parse_section
+from model.config import EOS, PAD, ConfigError, exit_on_config_error, parse_section
 from pipeline.checkpoint import latest_tag, load_reference, write_atomic
 from pipeline.config import RunConfig, load_config, read_json
 from pipeline.corpus import BinarizedCorpus
@@ -126,10 +126,10 @@ def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:
     return load_config(ROOT / spec.config, cell_overrides(spec, cell), world_size=None)
 
 
-def command(spec: StudySpec, cell: Cell, port: int) -> list[str]:
+def command(spec: StudySpec, cell: Cell, cfg: RunConfig, port: int) -> list[str]:
     """What a user would type for this cell: scripts/launch.py (DeepSpeed's launcher, checked first)."""
     return [
-        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cell_config(spec, cell).stages),
+        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cfg.stages),
         "--master_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config),
         "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip
@@ -146,14 +146,14 @@ def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def train_cell(spec: StudySpec, cell: Cell) -> int:
-    """Trains (or resumes) the cell to train.max_steps; its output goes to CELL/train.log. Returns the
-    exit status: 0 finished, 3 stopped by a non-finite loss; anything else stops the study."""
+def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
+    """Trains (or resumes) the cell to train.max_steps; its output goes to STUDY/cells/NAME.log. Returns
+    the exit status: 0 finished, 3 stopped by a non-finite loss; anything else stops the study."""
     directory = cell_dir(spec, cell)
     directory.parent.mkdir(parents=True, exist_ok=True)
     log = directory.parent / f"{cell.name}.log"  # beside the run: train.py makes and may remove the run
     with open(log, "a") as out:
-        status = subprocess.run(command(spec, cell, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
+        status = subprocess.run(command(spec, cell, cfg, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
     if status not in (0, NONFINITE_EXIT):
         tail = "".join(log.read_text().splitlines(keepends=True)[-5:]).strip()
         raise ConfigError(f"cell {cell.name}: training exited with status {status}; see {log}:\n{tail}")
@@ -167,25 +167,29 @@ def unigram_nll(data: Path) -> float:
     counts = np.ones(train.tgt_vocab_size)
     for i in range(len(train)):
         np.add.at(counts, train.targets[i], 1)
-    counts[2] += len(train)  # one eos per sentence
+    counts[EOS] += len(train)  # one eos per sentence
     logp = np.log(counts / counts.sum())
-    total = sum(-logp[valid.targets[i]].sum() - logp[2] for i in range(len(valid)))
+    total = sum(-logp[valid.targets[i]].sum() - logp[EOS] for i in range(len(valid)))
     tokens = sum(len(valid.targets[i]) + 1 for i in range(len(valid)))
     return float(total / tokens)
 
 
 @torch.no_grad()
-def valid_nll(save_dir: Path, data: Path, shuffled: bool) -> float:
-    """Unsmoothed validation loss of the run's latest checkpoint; `shuffled` gives each target the
-    source of its neighbour in length order (similar lengths, another sentence): how much the model
-    uses the source."""
+def valid_nlls(save_dir: Path, data: Path) -> tuple[float, float]:
+    """Unsmoothed validation loss of the run's latest checkpoint, and the same with each target given
+    the source of its neighbour in length order (similar lengths, another sentence): how much the
+    model uses the source."""
     model = load_reference(save_dir)
     corpus = BinarizedCorpus(data, "valid")
     pairs = [corpus.pair(i) for i in range(len(corpus))]
-    if shuffled:
-        order = np.argsort(corpus.lengths(), kind="stable")
-        sources = {int(order[k]): pairs[int(order[(k + 1) % len(order)])][0] for k in range(len(order))}
-        pairs = [(sources[i], target) for i, (_, target) in enumerate(pairs)]
+    order = np.argsort(corpus.lengths(), kind="stable")
+    sources = {int(order[k]): pairs[int(order[(k + 1) % len(order)])][0] for k in range(len(order))}
+    shuffled = [(sources[i], target) for i, (_, target) in enumerate(pairs)]
+    return nll(model, pairs), nll(model, shuffled)
+
+
+def nll(model: torch.nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Nats per target token (eos included) over `pairs`, in batches of similar lengths."""
     total, tokens = 0.0, 0
     order = np.argsort([max(len(s), len(t)) for s, t in pairs], kind="stable")
     for start in range(0, len(order), 64):
@@ -208,18 +212,16 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     return BLEU().corpus_score(hypotheses, [references]).score
 
 
-def evaluate(spec: StudySpec, cell: Cell, status: int, seconds: float) -> dict[str, Any]:
+def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: float) -> dict[str, Any]:
     """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
     that ended with weights, its validation loss with real and shuffled sources and, if it trained,
     its validation BLEU."""
     from pipeline.study_report import TRAINED, classify  # the report's rules, applied once here
 
-    cfg, directory = cell_config(spec, cell), cell_dir(spec, cell)
+    directory = cell_dir(spec, cell)
     record: dict[str, Any] = {"exit": status, "seconds": seconds}
     if status == 0 and latest_tag(directory) is not None:
-        data = Path(cfg.data.path)
-        record["valid_nll"] = valid_nll(directory, data, shuffled=False)
-        record["shuffled_nll"] = valid_nll(directory, data, shuffled=True)
+        record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.path))
         if classify(cell_records(directory), record, read_baseline(spec), cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
     return record
@@ -269,9 +271,9 @@ def run(spec: StudySpec) -> None:
             continue
         print(f"study: cell {number}/{len(grid)} {cell.name}: training", flush=True)
         tick = time.monotonic()
-        status = train_cell(spec, cell)
+        status = train_cell(spec, cell, configs[cell])
         seconds = time.monotonic() - tick
-        done[cell] = evaluate(spec, cell, status, seconds)
+        done[cell] = evaluate(spec, cell, configs[cell], status, seconds)
         write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(done[cell], indent=2) + "\n")
         rate = sum(r["seconds"] for r in done.values()) / sum(cost[c] for c in done)
         left = sum(cost[c] for c in grid if c not in done) * rate

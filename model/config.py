@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
+import time
 import types
 import typing
 from collections.abc import Iterator
@@ -25,22 +26,33 @@ class ConfigError(ValueError):
     """A configuration mistake a user must fix; the message is one line naming key and fix."""
 
 
+# How long a rank that is not the reporter waits before exiting on a config error. The launcher kills
+# every rank as soon as one exits, so a quiet rank that exits first can kill the reporter before its
+# line is out; waiting lets the reporter's exit end the job. If the wait runs out, the error was this
+# rank's alone (a file only its node lacks) and it reports it itself.
+REPORTER_GRACE_S = 20.0
+
+
 @contextmanager
 def exit_on_config_error(report: bool = True) -> Iterator[None]:
-    """For command-line entry points: a ConfigError ends the process with its one line on stderr
-    (unless `report` is false, e.g. on every rank but the first) and exit status 2; a file that cannot
-    be read or written (a full disk, permissions) with the system's line and exit status 1."""
+    """For command-line entry points: a ConfigError ends the process with its one line on stderr and
+    exit status 2; a file that cannot be read or written (a full disk, permissions) with the system's
+    line and exit status 1. With `report` false (every rank but the first) the process first waits
+    REPORTER_GRACE_S for the first rank to report the same error and end the job."""
     try:
         yield
     except ConfigError as err:
-        if report:
-            print(f"fathom: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit_with(f"{err}", 2, report)
     except OSError as err:
-        if report:
-            where = f"{err.filename}: " if err.filename else ""
-            print(f"fathom: error: {where}{err.strerror or err}", file=sys.stderr)
-        sys.exit(1)
+        where = f"{err.filename}: " if err.filename else ""
+        _exit_with(f"{where}{err.strerror or err}", 1, report)
+
+
+def _exit_with(message: str, status: int, report: bool) -> None:
+    if not report:
+        time.sleep(REPORTER_GRACE_S)
+    print(f"fathom: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 T = TypeVar("T")

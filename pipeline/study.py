@@ -60,6 +60,10 @@ class StudySpec:
     sensitivity: Sensitivity | None = None
     beam: int = 4  # the validation BLEU of trained cells
     lenpen: float = 0.6
+    # Output length limit a x source length + b: an undertrained model that never ends a sentence
+    # would otherwise run every hypothesis to generate.py's default of 200 tokens.
+    max_len_a: float = 1.2
+    max_len_b: int = 10
     heatmap: str | None = None  # the cell whose per-layer gradient norms the report draws
 
     def __post_init__(self) -> None:
@@ -103,14 +107,31 @@ def read_spec(path: str | Path) -> StudySpec:
     return parse_section(StudySpec, read_json(path), "study")
 
 
+def base_schedule(spec: StudySpec) -> tuple[float, int]:
+    """The learning rate and warmup steps of every cell the sensitivity grid does not change."""
+    cfg = load_config(ROOT / spec.config, spec.overrides, world_size=None)
+    params = cfg.deepspeed.get("scheduler", {}).get("params", {})
+    return cfg.deepspeed["optimizer"]["params"]["lr"], int(params.get("warmup_num_steps", 0))
+
+
+def sensitivity_cell(spec: StudySpec, scheme: str, lr: float, warmup: int, base: tuple[float, int]) -> Cell:
+    """The sensitivity grid's cell; where it has the base lr and warmup at a main-grid depth it is the
+    main grid's cell, so that run is not made twice."""
+    assert spec.sensitivity is not None
+    depth = spec.sensitivity.depth
+    if (lr, warmup) == base and depth in spec.depths and scheme in spec.schemes:
+        return Cell(scheme, depth)
+    return Cell(scheme, depth, lr, warmup)
+
+
 def cells(spec: StudySpec) -> list[Cell]:
     """The main grid by depth, then the sensitivity grid: shallow cells first, so a study's first
     answers come early and the deepest cells, which cost most, come last."""
     grid = [Cell(scheme, depth) for depth in sorted(spec.depths) for scheme in spec.schemes]
-    if spec.sensitivity:
-        s = spec.sensitivity
-        grid += [Cell(scheme, s.depth, lr, warmup) for scheme in s.schemes for lr in s.lrs for warmup in s.warmups]
-    return grid
+    if s := spec.sensitivity:
+        base = base_schedule(spec)
+        grid += [sensitivity_cell(spec, scheme, lr, w, base) for scheme in s.schemes for lr in s.lrs for w in s.warmups]
+    return list(dict.fromkeys(grid))
 
 
 def cell_dir(spec: StudySpec, cell: Cell) -> Path:
@@ -207,7 +228,8 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     from pipeline.generate import parse_args, translate
 
     args = parse_args(["--checkpoint", str(save_dir), "--data", str(cfg.data.path), "--subset", "valid", "--beam",
-                       str(spec.beam), "--lenpen", str(spec.lenpen), "--device", "cpu"])  # fmt: skip
+                       str(spec.beam), "--lenpen", str(spec.lenpen), "--max-len-a", str(spec.max_len_a),
+                       "--max-len-b", str(spec.max_len_b), "--device", "cpu"])  # fmt: skip
     hypotheses, references, _ = translate(args)
     return BLEU().corpus_score(hypotheses, [references]).score
 
@@ -215,15 +237,17 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
 def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: float) -> dict[str, Any]:
     """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
     that ended with weights, its validation loss with real and shuffled sources and, if it trained,
-    its validation BLEU."""
+    its validation BLEU; and the seconds the evaluation took."""
     from pipeline.study_report import TRAINED, classify  # the report's rules, applied once here
 
     directory = cell_dir(spec, cell)
     record: dict[str, Any] = {"exit": status, "seconds": seconds}
+    tick = time.monotonic()
     if status == 0 and latest_tag(directory) is not None:
         record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.path))
         if classify(cell_records(directory), record, read_baseline(spec), cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
+    record["eval_seconds"] = time.monotonic() - tick
     return record
 
 
@@ -275,7 +299,7 @@ def run(spec: StudySpec) -> None:
         seconds = time.monotonic() - tick
         done[cell] = evaluate(spec, cell, configs[cell], status, seconds)
         write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(done[cell], indent=2) + "\n")
-        rate = sum(r["seconds"] for r in done.values()) / sum(cost[c] for c in done)
+        rate = sum(r["seconds"] + r.get("eval_seconds", 0) for r in done.values()) / sum(cost[c] for c in done)
         left = sum(cost[c] for c in grid if c not in done) * rate
         print(f"study: cell {number}/{len(grid)} {cell.name}: ended ({'diverged' if status else 'finished'}) after "
               f"{duration(seconds)}; about {duration(left)} left", flush=True)  # fmt: skip

@@ -28,12 +28,14 @@ from pipeline.stability import GRAD_NORMS_FILE  # noqa: E402
 from pipeline.study import (  # noqa: E402
     Cell,
     StudySpec,
+    base_schedule,
     cell_config,
     cell_dir,
     cell_records,
     cells,
     read_baseline,
     read_cell,
+    sensitivity_cell,
 )
 
 DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
@@ -99,10 +101,12 @@ def tables(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str
     rows = [[scheme, *(entry(summaries[Cell(scheme, d)]) for d in depths)] for scheme in spec.schemes]
     text = markdown_table(["scheme", *(f"{d}L-{d}L" for d in depths)], rows)
     if s := spec.sensitivity:
+        base = base_schedule(spec)
         columns = [(lr, w) for lr in s.lrs for w in s.warmups]
         header = [f"scheme ({s.depth}L-{s.depth}L)", *(f"lr {lr:g}, warmup {w}" for lr, w in columns)]
         rows = [
-            [scheme, *(entry(summaries[Cell(scheme, s.depth, lr, w)]) for lr, w in columns)] for scheme in s.schemes
+            [scheme, *(entry(summaries[sensitivity_cell(spec, scheme, lr, w, base)]) for lr, w in columns)]
+            for scheme in s.schemes
         ]
         text += "\n\n" + markdown_table(header, rows)
     return text

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.study import CELL_FILE, Cell, StudySpec, cells, read_spec
+from pipeline.study import CELL_FILE, Cell, Sensitivity, StudySpec, cells, read_spec
 from pipeline.study import main as study_main
 from pipeline.study_report import DIVERGED, STALLED, TRAINED, classify
 from tests.conftest import ROOT
@@ -44,6 +44,17 @@ def test_the_grid_runs_shallow_cells_first_and_names_them():
     spec = StudySpec(config="c", out="o", schemes=["a", "b"], depths=[12, 6], sensitivity=None)
     assert [c.name for c in cells(spec)] == ["a-6L", "b-6L", "a-12L", "b-12L"]
     assert Cell("a", 6, 0.001, 0).overrides()[-1] == "scheduler.params.warmup_num_steps=1"
+
+
+def test_a_sensitivity_cell_at_the_base_schedule_is_the_main_grids_run():
+    """default.json trains at lr 0.001 with 50 warmup steps: that sensitivity cell is pre_ln-6L."""
+    spec = StudySpec(
+        config="ds_configs/default.json", out="o", schemes=["pre_ln"], depths=[6],
+        sensitivity=Sensitivity(depth=6, schemes=["pre_ln", "post_ln"], lrs=[0.001, 0.002], warmups=[50]),
+    )  # fmt: skip
+    assert [c.name for c in cells(spec)] == [
+        "pre_ln-6L", "pre_ln-6L-lr0.002-warmup50", "post_ln-6L-lr0.001-warmup50", "post_ln-6L-lr0.002-warmup50"
+    ]  # fmt: skip
 
 
 def write_study(tmp_path, data):

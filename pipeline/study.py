@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
 BASELINE_FILE = "baseline.json"
+Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
 
@@ -195,21 +196,26 @@ def unigram_nll(data: Path) -> float:
     return float(total / tokens)
 
 
-@torch.no_grad()
-def valid_nlls(save_dir: Path, data: Path) -> tuple[float, float]:
-    """Unsmoothed validation loss of the run's latest checkpoint, and the same with each target given
-    the source of its neighbour in length order (similar lengths, another sentence): how much the
-    model uses the source."""
-    model = load_reference(save_dir)
-    corpus = BinarizedCorpus(data, "valid")
+def with_shuffled_sources(corpus: BinarizedCorpus) -> tuple[list[Pair], list[Pair]]:
+    """The split's pairs, and the same targets each given the source of its neighbour in length order
+    (similar lengths, another sentence)."""
     pairs = [corpus.pair(i) for i in range(len(corpus))]
     order = np.argsort(corpus.lengths(), kind="stable")
     sources = {int(order[k]): pairs[int(order[(k + 1) % len(order)])][0] for k in range(len(order))}
-    shuffled = [(sources[i], target) for i, (_, target) in enumerate(pairs)]
+    return pairs, [(sources[i], target) for i, (_, target) in enumerate(pairs)]
+
+
+@torch.no_grad()
+def valid_nlls(save_dir: Path, data: Path) -> tuple[float, float]:
+    """Unsmoothed validation loss of the run's latest checkpoint with real and with shuffled sources:
+    how much the model uses the source."""
+    model = load_reference(save_dir)
+    pairs, shuffled = with_shuffled_sources(BinarizedCorpus(data, "valid"))
     return nll(model, pairs), nll(model, shuffled)
 
 
-def nll(model: torch.nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+@torch.no_grad()
+def nll(model: torch.nn.Module, pairs: list[Pair]) -> float:
     """Nats per target token (eos included) over `pairs`, in batches of similar lengths."""
     total, tokens = 0.0, 0
     order = np.argsort([max(len(s), len(t)) for s, t in pairs], kind="stable")

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from pipeline.compare_training import main as compare_main
 from pipeline.peers import torchscale_model
+from tests.conftest import ROOT
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 
@@ -73,3 +75,24 @@ def test_torchscale_init_has_torchscales_weight_scales(scheme):
             assert param.std().item() == pytest.approx(theirs[torchscale_name(name)].std().item(), rel=rel), name
             checked += 1
     assert checked == len(theirs) - 3  # all but the shared token embedding and the two position tables
+
+
+def test_compare_training_measures_both_models(multi30k_slice, capsys):
+    """scripts/compare_training.py: each model's validation loss with real and shuffled sources and
+    its encoder spread at the requested steps."""
+    torchscale(ModelConfig(encoder_layers=1, decoder_layers=1, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+    small = [f"data.path={multi30k_slice}", "model.encoder_layers=2", "model.decoder_layers=2", "model.embed_dim=32",
+             "model.ffn_dim=64", "model.norm_scheme=deepnorm"]  # fmt: skip
+    compare_main(["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *small, "--at", "1", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("fathom", "torchscale"):
+        measured = [line for line in lines if line.startswith(name) and "valid nll" in line]
+        assert [line.split()[2] for line in measured] == ["1", "2"], lines
+        assert all("shuffled sources" in line and "encoder spread" in line for line in measured)
+
+
+def test_compare_training_refuses_a_scheme_torchscale_lacks(capsys):
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--config", str(ROOT / "ds_configs" / "study_multi30k_base.json"), "--override",
+                      "model.norm_scheme=branchnorm", "--at", "1"])  # fmt: skip
+    assert exc.value.code == 2 and "torchscale has no branchnorm" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import sys
 import pytest
 from deepspeed.launcher import runner
 
-from model.config import ConfigError
+from model.config import REPORTER_GRACE_S, ConfigError
 from pipeline import launch
 from pipeline.train import main as train_main
 from pipeline.world import World, check_mpi_discovery, cpu_threads, launched_world
@@ -162,15 +162,18 @@ def under_mpirun(monkeypatch):
     return rank
 
 
-def test_train_checks_the_mpi_world_before_starting(capsys, config, under_mpirun):
-    for rank, reports in ((0, True), (1, False)):
+def test_train_checks_the_mpi_world_before_starting(capsys, config, under_mpirun, monkeypatch):
+    """Rank 0 reports at once; another rank first waits for rank 0's exit to end the job."""
+    waits = []
+    monkeypatch.setattr("model.config.time.sleep", waits.append)
+    for rank, waited in ((0, []), (1, [REPORTER_GRACE_S])):
         under_mpirun(rank)
+        waits.clear()
         with pytest.raises(SystemExit) as exc:
             train_main(["--config", str(config)])
-        assert exc.value.code == 2
+        assert exc.value.code == 2 and waits == waited
         err = capsys.readouterr().err.strip()
-        expected = "fathom: error: pipeline.stages: 3 processes cannot be split into 2 stages"
-        assert err.startswith(expected) if reports else err == ""
+        assert err.startswith("fathom: error: pipeline.stages: 3 processes cannot be split into 2 stages")
 
 
 def test_mpirun_without_mpi4py_is_one_line(monkeypatch, under_mpirun):

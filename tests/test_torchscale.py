@@ -91,8 +91,8 @@ def test_compare_training_measures_both_models(multi30k_slice, capsys):
         assert all("shuffled sources" in line and "encoder spread" in line for line in measured)
 
 
-def test_compare_training_refuses_a_scheme_torchscale_lacks(capsys):
+def test_compare_training_refuses_a_scheme_torchscale_lacks(capsys, multi30k_slice):
     with pytest.raises(SystemExit) as exc:
         compare_main(["--config", str(ROOT / "ds_configs" / "study_multi30k_base.json"), "--override",
-                      "model.norm_scheme=branchnorm", "--at", "1"])  # fmt: skip
+                      f"data.path={multi30k_slice}", "model.norm_scheme=branchnorm", "--at", "1"])  # fmt: skip
     assert exc.value.code == 2 and "torchscale has no branchnorm" in capsys.readouterr().err

@@ -142,7 +142,8 @@ def loss_curves(spec: StudySpec, out: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation loss (label-smoothed)")
-    axes[0][-1].legend(fontsize=7)
+    if drawn := [ax for ax in axes[0] if ax.lines]:
+        drawn[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -162,7 +163,8 @@ def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
     bottom.set_ylabel("training loss")
     bottom.set_xlabel("step")
     top.set_title(f"the first {steps} steps at {depth}L-{depth}L")
-    top.legend(fontsize=7)
+    if top.lines:
+        top.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -203,12 +205,12 @@ def write_report(spec: StudySpec) -> Path:
     figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
     if heatmap(spec, out / "grad_norm_heatmap.png"):
         figures.append("grad_norm_heatmap.png")
-    seconds = sum(s["seconds"] for s in summaries.values() if s)
+    seconds = sum(s["seconds"] + s.get("eval_seconds", 0) for s in summaries.values() if s)
     lines = [
         f"# Depth study: {out.name}",
         "",
         f"Entries: class, then validation loss (unsmoothed nats per token) and validation BLEU for trained cells. "
-        f"Unigram baseline {baseline:.2f}. Training time of the finished cells: {seconds / 3600:.2f} h.",
+        f"Unigram baseline {baseline:.2f}. Finished cells took {seconds / 3600:.2f} h (training and evaluation).",
         "",
         tables(spec, summaries),
         "",

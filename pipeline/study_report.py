@@ -134,10 +134,17 @@ def loss_curves(spec: StudySpec, out: Path) -> None:
     depths = sorted(spec.depths)
     fig, axes = plt.subplots(1, len(depths), figsize=(3.2 * len(depths), 3.2), squeeze=False, sharey=True)
     for ax, depth in zip(axes[0], depths, strict=True):
-        for scheme in spec.schemes:
+        for color, scheme in enumerate(spec.schemes):  # a scheme keeps its colour in every panel
             valid = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "valid_loss" in r]
             if valid:
-                ax.plot([r["step"] for r in valid], [r["valid_loss"] for r in valid], "o-", ms=3, label=scheme)
+                ax.plot(
+                    [r["step"] for r in valid],
+                    [r["valid_loss"] for r in valid],
+                    "o-",
+                    ms=3,
+                    color=f"C{color}",
+                    label=scheme,
+                )
         ax.set_title(f"{depth}L-{depth}L")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -153,11 +160,15 @@ def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
     """BranchNorm paper Fig. 3's analogue: gradient norm and loss per step early on, deepest depth."""
     depth = max(spec.depths)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    for scheme in spec.schemes:
+    for color, scheme in enumerate(spec.schemes):
         records = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "loss" in r][:steps]
         if records:
-            top.plot([r["step"] for r in records], [r["grad_norm"] for r in records], lw=0.8, label=scheme)
-            bottom.plot([r["step"] for r in records], [r["loss"] for r in records], lw=0.8, label=scheme)
+            top.plot(
+                [r["step"] for r in records], [r["grad_norm"] for r in records], lw=0.8, color=f"C{color}", label=scheme
+            )
+            bottom.plot(
+                [r["step"] for r in records], [r["loss"] for r in records], lw=0.8, color=f"C{color}", label=scheme
+            )
     top.set_yscale("log")
     top.set_ylabel("gradient norm (before clipping)")
     bottom.set_ylabel("training loss")

@@ -42,7 +42,7 @@ def exit_on_config_error(report: bool = True) -> Iterator[None]:
     try:
         yield
     except ConfigError as err:
-        _exit_with(f"{err}", 2, report)
+        _exit_with(str(err), 2, report)
     except OSError as err:
         where = f"{err.filename}: " if err.filename else ""
         _exit_with(f"{where}{err.strerror or err}", 1, report)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,13 +42,15 @@ class Torchscale(nn.Module):
         super().__init__()
         self.model = model
 
+    def encoder_out(self, src_tokens: torch.Tensor) -> dict[str, Any]:
+        return self.model.encoder(src_tokens, encoder_padding_mask=src_tokens.eq(PAD))
+
     def encode(self, src_tokens: torch.Tensor) -> torch.Tensor:
-        out = self.model.encoder(src_tokens, encoder_padding_mask=src_tokens.eq(PAD))["encoder_out"]
+        out = self.encoder_out(src_tokens)["encoder_out"]
         return out.transpose(0, 1) if out.shape[0] != src_tokens.shape[0] else out
 
     def forward(self, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> torch.Tensor:
-        encoder_out = self.model.encoder(src_tokens, encoder_padding_mask=src_tokens.eq(PAD))
-        return self.model.decoder(prev_output_tokens, encoder_out=encoder_out)[0]
+        return self.model.decoder(prev_output_tokens, encoder_out=self.encoder_out(src_tokens))[0]
 
 
 def build(name: str, cfg: RunConfig, max_positions: int) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:

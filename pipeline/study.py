@@ -108,11 +108,14 @@ def read_spec(path: str | Path) -> StudySpec:
     return parse_section(StudySpec, read_json(path), "study")
 
 
+def warmup_steps(cfg: RunConfig) -> int:
+    return int(cfg.deepspeed.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0))
+
+
 def base_schedule(spec: StudySpec) -> tuple[float, int]:
     """The learning rate and warmup steps of every cell the sensitivity grid does not change."""
     cfg = load_config(ROOT / spec.config, spec.overrides, world_size=None)
-    params = cfg.deepspeed.get("scheduler", {}).get("params", {})
-    return cfg.deepspeed["optimizer"]["params"]["lr"], int(params.get("warmup_num_steps", 0))
+    return cfg.deepspeed["optimizer"]["params"]["lr"], warmup_steps(cfg)
 
 
 def sensitivity_cell(spec: StudySpec, scheme: str, lr: float, warmup: int, base: tuple[float, int]) -> Cell:

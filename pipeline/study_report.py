@@ -36,6 +36,7 @@ from pipeline.study import (  # noqa: E402
     read_baseline,
     read_cell,
     sensitivity_cell,
+    warmup_steps,
 )
 
 DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
@@ -45,10 +46,6 @@ CLASSES = (TRAINED, STALLED, DIVERGED)
 BASELINE_MARGIN = 0.5
 SOURCE_MARGIN = 0.1
 REPORT = "report.md"
-
-
-def warmup_steps(cfg: RunConfig) -> int:
-    return int(cfg.deepspeed.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0))
 
 
 def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: float, cfg: RunConfig) -> tuple[str, str]:
@@ -137,14 +134,8 @@ def loss_curves(spec: StudySpec, out: Path) -> None:
         for color, scheme in enumerate(spec.schemes):  # a scheme keeps its colour in every panel
             valid = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "valid_loss" in r]
             if valid:
-                ax.plot(
-                    [r["step"] for r in valid],
-                    [r["valid_loss"] for r in valid],
-                    "o-",
-                    ms=3,
-                    color=f"C{color}",
-                    label=scheme,
-                )
+                steps, losses = [r["step"] for r in valid], [r["valid_loss"] for r in valid]
+                ax.plot(steps, losses, "o-", ms=3, color=f"C{color}", label=scheme)
         ax.set_title(f"{depth}L-{depth}L")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -162,13 +153,10 @@ def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     for color, scheme in enumerate(spec.schemes):
         records = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "loss" in r][:steps]
+        style = {"lw": 0.8, "color": f"C{color}", "label": scheme}
         if records:
-            top.plot(
-                [r["step"] for r in records], [r["grad_norm"] for r in records], lw=0.8, color=f"C{color}", label=scheme
-            )
-            bottom.plot(
-                [r["step"] for r in records], [r["loss"] for r in records], lw=0.8, color=f"C{color}", label=scheme
-            )
+            top.plot([r["step"] for r in records], [r["grad_norm"] for r in records], **style)
+            bottom.plot([r["step"] for r in records], [r["loss"] for r in records], **style)
     top.set_yscale("log")
     top.set_ylabel("gradient norm (before clipping)")
     bottom.set_ylabel("training loss")

@@ -22,9 +22,10 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
@@ -52,6 +53,25 @@ from pipeline.world import end_distributed
 BEST = "best"
 
 
+class ErrorKeepingWriter:
+    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
+    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
+
+    def __init__(self, file: BinaryIO, path: str) -> None:
+        self.file, self.path = file, path
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = OSError(err.errno, err.strerror, self.path)
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class CommittingCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's torch checkpoint engine, plus: every file written is fsynced and remembered (for the
     manifest), and every file read is read with weights_only."""
@@ -62,8 +82,14 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
         self.written: dict[str, dict[str, Any]] = {}
 
     def save(self, state_dict: Any, path: str) -> None:
-        super().save(state_dict, path)
-        with open(path, "rb") as f:
+        with open(path, "wb") as f:
+            writer = ErrorKeepingWriter(f, path)
+            try:
+                torch.save(state_dict, writer, _use_new_zipfile_serialization=self.zipfile_serialization)
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
             os.fsync(f.fileno())
         self.written[Path(path).name] = {"bytes": os.path.getsize(path), "zip": zipfile.is_zipfile(path)}
 
@@ -111,7 +137,13 @@ def save(
         # (DeepSpeed's save starts with a barrier, so no rank writes before this is gone).
         (save_dir / tag / MANIFEST).unlink(missing_ok=True)
     writer.written = {}
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    try:
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    except OSError as err:
+        last = latest_tag(save_dir)
+        resume = f"--resume continues from {last}" if last else "the run has no checkpoint yet"
+        raise OSError(err.errno, f"{err.strerror} while saving {tag}; free space or fix the directory ({resume})",
+                      err.filename) from None  # fmt: skip
     every_rank: list[dict[str, dict[str, Any]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(every_rank, writer.written)
     if dist.get_rank() == 0:

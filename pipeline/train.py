@@ -466,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error(report=world.rank == 0):
         check_mpi_discovery()
         cfg, corpus = check_run(args, world.size)
-    # exit_on_config_error: a checkpoint file that fails to load, on whichever rank reads it
-    with exit_on_config_error(), exit_on_nonfinite(report=world.rank == 0):
+    # A checkpoint that fails to load or save: the first rank reports it; another rank that alone hits
+    # an error reports it after REPORTER_GRACE_S.
+    with exit_on_config_error(report=world.rank == 0), exit_on_nonfinite(report=world.rank == 0):
         train(cfg, corpus, args.resume)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -29,10 +30,20 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def launch(script: str | Path, *args: str, processes: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks."""
+def launch(
+    script: str | Path, *args: str, processes: int = 2, timeout: int = 600, file_size_limit: int | None = None
+) -> subprocess.CompletedProcess:
+    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks; with
+    `file_size_limit` (bytes) no process of the job can write a file past it, as on a full disk."""
     cmd = launcher_command(script, *args, processes=processes)
-    result = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run(
+        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout,
+        preexec_fn=limit_file_size if file_size_limit else None,
+    )  # fmt: skip
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
     return result

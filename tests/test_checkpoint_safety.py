@@ -205,6 +205,24 @@ def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice, capsy
     assert "Traceback" not in output and not fresh.exists(), "a failed start left its save_dir behind"
 
 
+def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(run, multi30k_slice):
+    """torch's zip writer reports a full disk as `RuntimeError: unexpected pos`, a traceback on every
+    rank; a file size limit makes the layer files of step 3 fail as a full disk would."""
+    result = launch(
+        ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=3"), "--resume",
+        file_size_limit=20_000,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if "fathom: error:" in line]
+    assert result.returncode == 1 and len(errors) == 1, output[-3000:]
+    assert "File too large while saving global_step3" in errors[0], errors[0]
+    assert "--resume continues from global_step2" in errors[0], errors[0]
+    assert "Traceback" not in output, output[-3000:]
+    assert commit.latest_tag(run) == "global_step2"
+    result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=3"), "--resume")
+    assert result.returncode == 0 and commit.latest_tag(run) == "global_step3"
+
+
 def test_resume_drops_a_metrics_line_torn_by_a_crash(run, multi30k_slice):
     """A crash while rank 0 appends to metrics.jsonl leaves its last line cut short: --resume goes on,
     dropping it with one warning, and the log ends whole."""

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from deepspeed.runtime import lr_schedules
 from torch import nn
 
 from model import Transformer
@@ -62,19 +63,12 @@ def build(name: str, cfg: RunConfig, max_positions: int) -> tuple[nn.Module, Cal
     return model, model.encode
 
 
-SCHEDULES = ("WarmupLR", "WarmupDecayLR")
-
-
-def learning_rate(cfg: RunConfig, step: int) -> float:
-    """DeepSpeed's WarmupLR or WarmupDecayLR with linear warmup: up to the peak over the warmup steps,
-    then constant or, for WarmupDecayLR, down to 0 at total_num_steps."""
-    params = cfg.deepspeed["scheduler"]["params"]
-    peak, warmup = params["warmup_max_lr"], params.get("warmup_num_steps", 1000)
-    if step < warmup:
-        return peak * step / warmup
-    if cfg.deepspeed["scheduler"]["type"] == "WarmupLR":
-        return peak
-    return peak * max(0.0, (params["total_num_steps"] - step) / (params["total_num_steps"] - warmup))
+def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """The config's DeepSpeed scheduler, which the engine steps after every optimizer step; None without one."""
+    scheduler = cfg.deepspeed.get("scheduler")
+    if scheduler is None:
+        return None
+    return getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler.get("params", {}))
 
 
 @torch.no_grad()
@@ -94,15 +88,18 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
     data = MicroBatches(train, cfg.batch_size, cfg.train.seed, accumulation=accumulation)
     params = cfg.deepspeed["optimizer"]["params"]
     optimizer = torch.optim.AdamW(  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
-        model.parameters(), lr=0.0, betas=params["betas"], eps=params["eps"], weight_decay=params["weight_decay"]
+        model.parameters(),
+        lr=params["lr"],
+        betas=params["betas"],
+        eps=params["eps"],
+        weight_decay=params["weight_decay"],
     )
+    scheduler = build_scheduler(cfg, optimizer)
     tick = time.monotonic()
     model.eval()
     print(f"{name:10s} step {0:4d}  encoder spread {encoder_spread(encode, probe_sources):.3f}", flush=True)
     for step in range(1, max(at) + 1):
         model.train()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
         optimizer.zero_grad(set_to_none=True)
         for _ in range(accumulation):
             (src, prev), target = next(data)
@@ -110,6 +107,8 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
             (loss / accumulation).backward()
         nn.utils.clip_grad_norm_(model.parameters(), cfg.deepspeed.get("gradient_clipping", float("inf")))
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         if step in at:
             model.eval()
             real, other = nll(model, pairs), nll(model, shuffled)
@@ -132,9 +131,6 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.override, world_size=None)
         if cfg.data.path is None:
             raise ConfigError("data.path: compare_training needs a prepared data directory")
-        scheduler = cfg.deepspeed.get("scheduler", {})
-        if scheduler.get("type") not in SCHEDULES or scheduler.get("params", {}).get("warmup_type", "log") != "linear":
-            raise ConfigError(f"scheduler: compare_training follows {' or '.join(SCHEDULES)} with warmup_type linear")
         if min(args.at) < 1:
             raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")
         cfg.model = with_vocab(cfg.model, BinarizedCorpus(cfg.data.path, "train"))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import io
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +69,12 @@ def decode_lines(f: BinaryIO, name: str | Path) -> list[str]:
 def read_lines(path: Path) -> list[str]:
     """Lines of a plain or gzipped UTF-8 file (decode_lines)."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        return decode_lines(f, path)
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()  # whole first: gzip's checksum is only checked at the end of the stream
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:  # cut short, not gzip, or damaged inside
+        raise ConfigError(f"{path}: not a whole gzip file ({err}); download or compress it again") from None
+    return decode_lines(io.BytesIO(data), path)
 
 
 @dataclass

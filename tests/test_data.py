@@ -84,6 +84,21 @@ def test_invalid_utf8(tmp_path, capsys):
     assert "train.de:7: not valid UTF-8" in err
 
 
+@pytest.mark.parametrize("damage", ["cut short", "not gzip", "flipped byte"])
+def test_a_damaged_gzip_input_is_one_line(tmp_path, capsys, damage):
+    """A download cut short was a Python EOFError traceback."""
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    packed = bytearray(gzip.compress((tmp_path / "train.de").read_bytes()))
+    packed = {"cut short": packed[: len(packed) // 2], "not gzip": b"plain text", "flipped byte": packed}[damage]
+    if damage == "flipped byte":
+        packed[len(packed) // 2] ^= 0xFF
+    (tmp_path / "train.de").unlink()
+    (tmp_path / "train.de.gz").write_bytes(bytes(packed))
+    err = expect_error(capsys, tmp_path, train, valid)
+    assert "train.de.gz: not a whole gzip file" in err and "download or compress it again" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_empty_and_long_pairs_are_dropped_and_counted(tmp_path):
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
     de = (tmp_path / "train.de").read_text().splitlines(True)

@@ -27,11 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from model.config import EOS, PAD, ConfigError, exit_on_config_error, parse_section
-from pipeline.checkpoint import latest_tag, load_reference, write_atomic
+from model.norms import SCHEMES
+from pipeline.checkpoint import CONFIG_FILE, latest_tag, load_reference, write_atomic
 from pipeline.config import RunConfig, load_config, read_json
-from pipeline.corpus import BinarizedCorpus
+from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import collate
 from pipeline.stability import NONFINITE_EXIT
+from pipeline.staging import check_makeable
+from pipeline.train import with_vocab
+from pipeline.translate import check_search_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
@@ -49,6 +53,13 @@ class Sensitivity:
     schemes: list[str]
     lrs: list[float]
     warmups: list[int]  # warmup steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
+
+    def __post_init__(self) -> None:
+        for key in ("schemes", "lrs", "warmups"):
+            if not getattr(self, key):
+                raise ConfigError(f"study.sensitivity.{key}: empty; give at least one, or remove the sensitivity grid")
+        if min(self.warmups) < 0:
+            raise ConfigError(f"study.sensitivity.warmups: {min(self.warmups)}; warmups are steps, at least 0")
 
 
 @dataclass
@@ -68,6 +79,8 @@ class StudySpec:
     heatmap: str | None = None  # the cell whose per-layer gradient norms the report draws
 
     def __post_init__(self) -> None:
+        if not self.out.strip():
+            raise ConfigError("study.out: empty; name the study's directory, e.g. studies/multi30k")
         if not self.schemes or not self.depths:
             raise ConfigError("study: give at least one scheme and one depth")
         for depth in [*self.depths, *([self.sensitivity.depth] if self.sensitivity else [])]:
@@ -92,7 +105,7 @@ class Cell:
         return name
 
     def overrides(self) -> list[str]:
-        changes = [
+        changes = [  # a change to GRID_KEYS below goes with one here
             f"model.norm_scheme={self.scheme}",
             f"model.encoder_layers={self.depth}",
             f"model.decoder_layers={self.depth}",
@@ -102,6 +115,11 @@ class Cell:
         if self.warmup is not None:  # DeepSpeed's warmup takes at least 2 steps whatever it is given
             changes.append(f"scheduler.params.warmup_num_steps={max(1, self.warmup)}")
         return changes
+
+
+# What a cell sets itself: a study's own overrides of these would be silently replaced.
+GRID_KEYS = ("model.norm_scheme", "model.encoder_layers", "model.decoder_layers", "optimizer.params.lr",
+             "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "train.save_dir")  # fmt: skip
 
 
 def read_spec(path: str | Path) -> StudySpec:
@@ -230,16 +248,22 @@ def nll(model: torch.nn.Module, pairs: list[Pair]) -> float:
     return total.item() / tokens
 
 
+def bleu_args(spec: StudySpec, data: str | Path, save_dir: Path) -> argparse.Namespace:
+    """generate.py's arguments for a cell's validation BLEU: the study's beam, lenpen and length limit."""
+    from pipeline.generate import parse_args
+
+    return parse_args(["--checkpoint", str(save_dir), "--data", str(data), "--subset", "valid", "--beam",
+                       str(spec.beam), "--lenpen", str(spec.lenpen), "--max-len-a", str(spec.max_len_a),
+                       "--max-len-b", str(spec.max_len_b), "--device", "cpu"])  # fmt: skip
+
+
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's)."""
     from sacrebleu.metrics import BLEU
 
-    from pipeline.generate import parse_args, translate
+    from pipeline.generate import translate
 
-    args = parse_args(["--checkpoint", str(save_dir), "--data", str(cfg.data.path), "--subset", "valid", "--beam",
-                       str(spec.beam), "--lenpen", str(spec.lenpen), "--max-len-a", str(spec.max_len_a),
-                       "--max-len-b", str(spec.max_len_b), "--device", "cpu"])  # fmt: skip
-    hypotheses, references, _ = translate(args)
+    hypotheses, references, _ = translate(bleu_args(spec, cfg.data.path, save_dir))
     return BLEU().corpus_score(hypotheses, [references]).score
 
 
@@ -283,17 +307,64 @@ def duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
-def run(spec: StudySpec) -> None:
-    """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
-    grid = cells(spec)
-    configs = {cell: cell_config(spec, cell) for cell in grid}  # every cell checked before any trains
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def check_unchanged(spec: StudySpec, cell: Cell, cfg: RunConfig) -> None:
+    """A cell already (partly) trained under other settings would be resumed or reported as if it had
+    this study's: refused. Keys only one side has (added to fathom since) and the settings of other
+    schemes, which this cell's model does not read, are not compared."""
+    path = cell_dir(spec, cell) / CONFIG_FILE
+    if not path.exists():
+        return
+    before, now = flat(read_json(path)), flat(json.loads(json.dumps(cfg.to_dict())))
+    ignored = tuple(f"model.{scheme}." for scheme in SCHEMES if scheme != cell.scheme)
+    for key in sorted(before.keys() & now.keys()):
+        if before[key] != now[key] and not key.startswith(ignored):
+            raise ConfigError(
+                f"study: cell {cell.name} was trained with {key}={json.dumps(before[key])}, the study now gives "
+                f"{json.dumps(now[key])}; restore it, choose a new study.out, or remove {cell_dir(spec, cell)} to "
+                "retrain that cell"
+            )
+
+
+def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
+    """Everything a study is checked for before any cell trains; returns each cell's run config."""
+    for change in spec.overrides:
+        if (key := change.partition("=")[0].strip()) in GRID_KEYS:
+            raise ConfigError(f"study.overrides: {key} is set by each cell; remove it (the grid varies it)")
+    configs = {cell: cell_config(spec, cell) for cell in grid}
     paths = {cfg.data.path for cfg in configs.values()}
     if len(paths) != 1 or None in paths:
         raise ConfigError(
             f"study: every cell needs the same prepared data.path; the cells have {sorted(map(str, paths))}"
         )
+    data = paths.pop()
+    corpus = BinarizedCorpus(data, "train")
+    for cell, cfg in configs.items():
+        cfg.model = with_vocab(cfg.model, corpus)
+        check_unchanged(spec, cell, cfg)
+    if spec.heatmap is not None and spec.heatmap not in (names := [cell.name for cell in grid]):
+        raise ConfigError(f"study.heatmap: {spec.heatmap} is not a cell of this study; choose one of {names}")
+    check_search_args(bleu_args(spec, data, Path(spec.out)), name=lambda key: f"study.{key}")
+    out = Path(spec.out)
+    check_makeable(out, "study.out")
+    if (out / META_FILE).exists():
+        raise ConfigError(f"study.out: {out} is a prepared data directory; choose another for the study")
+    return configs
+
+
+def run(spec: StudySpec) -> None:
+    """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
+    grid = cells(spec)
+    configs = check(spec, grid)
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    write_baseline(spec, Path(paths.pop()))
+    write_baseline(spec, Path(next(iter(configs.values())).data.path))
     # Seconds per unit of (depth + FIXED_DEPTH) x steps, from the cells finished so far: the estimate of
     # the time left. The fixed part stands for what every cell pays whatever its depth (start-up, the
     # embeddings and output projection, evaluation).
@@ -323,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
 
     with exit_on_config_error():
         spec = read_spec(args.study)
-        if not args.report:
+        if args.report:
+            check(spec, cells(spec))
+            if not (Path(spec.out) / BASELINE_FILE).exists():
+                raise ConfigError(f"study.out: {spec.out} has no finished cell yet; run the study without --report")
+        else:
             run(spec)
         print(f"study: report written to {write_report(spec)}")

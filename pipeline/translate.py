@@ -51,14 +51,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="of the weights (log-probs in fp32)")
 
 
-def check_search_args(args: argparse.Namespace) -> None:
-    for option, value in (("--beam", args.beam), ("--batch-size", args.batch_size), ("--max-len-b", args.max_len_b)):
-        if value < 1:
-            raise ConfigError(f"{option}: must be at least 1, got {value}")
+def option_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_search_args(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> None:
+    """The search's settings; `name` spells a setting in the errors, as the caller's user gave it."""
+    for key in ("beam", "batch_size", "max_len_b"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"{name(key)}: must be at least 1, got {getattr(args, key)}")
     if not 0 <= args.max_len_a < math.inf:  # also refuses NaN
-        raise ConfigError(f"--max-len-a: must be a finite number >= 0, got {args.max_len_a}")
+        raise ConfigError(f"{name('max_len_a')}: must be a finite number >= 0, got {args.max_len_a}")
     if not math.isfinite(args.lenpen):
-        raise ConfigError(f"--lenpen: must be a finite number, got {args.lenpen}")
+        raise ConfigError(f"{name('lenpen')}: must be a finite number, got {args.lenpen}")
 
 
 def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:

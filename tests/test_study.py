@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.study import CELL_FILE, Cell, Sensitivity, StudySpec, cells, read_spec
+from pipeline.study import CELL_FILE, Cell, Sensitivity, StudySpec, cell_dir, cells, check, read_spec
 from pipeline.study import main as study_main
 from pipeline.study_report import DIVERGED, STALLED, TRAINED, classify
 from tests.conftest import ROOT
@@ -132,6 +132,16 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
         ({"schemes": ["deep_norm"]}, "model.norm_scheme: unknown scheme 'deep_norm'"),
         ({"depths": [0]}, "study: depth 0; depths are layers per side, at least 1"),
         ({"overrides": ["modle.dropout=0.1"]}, "modle: neither a section of fathom's"),
+        ({"overrides": ["model.encoder_layers=3"]}, "study.overrides: model.encoder_layers is set by each cell"),
+        ({"out": " "}, "study.out: empty"),
+        ({"beam": 0}, "study.beam: must be at least 1, got 0"),
+        ({"max_len_a": float("inf")}, "study.max_len_a: must be a finite number >= 0, got inf"),
+        ({"heatmap": "pre_ln-3L"}, "study.heatmap: pre_ln-3L is not a cell of this study"),
+        (
+            {"sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [], "warmups": [0]}},
+            "study.sensitivity.lrs: empty",
+        ),
+        ({"sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [1e-3], "warmups": [-5]}}, "warmups: -5"),
     ],
 )
 def test_a_bad_study_is_one_line_before_any_cell_trains(tmp_path, capsys, multi30k_slice, change, message):
@@ -142,3 +152,42 @@ def test_a_bad_study_is_one_line_before_any_cell_trains(tmp_path, capsys, multi3
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "study").exists()
+
+
+def test_a_study_out_holding_prepared_data_is_refused(capsys, tmp_path, multi30k_slice):
+    path = write_study(tmp_path, multi30k_slice)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "out": str(multi30k_slice)}))
+    before = sorted(p.name for p in multi30k_slice.iterdir())
+    with pytest.raises(SystemExit) as exc:
+        study_main(["--study", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "is a prepared data directory; choose another for the study" in err, err
+    assert sorted(p.name for p in multi30k_slice.iterdir()) == before
+
+
+def test_a_cell_trained_under_other_settings_is_refused_not_mixed_in(tmp_path, capsys, multi30k_slice):
+    """A study file or base config edited after some cells ran: resuming or reporting those cells would
+    put runs of different settings in one table. Another scheme's settings do not count."""
+    path = write_study(tmp_path, multi30k_slice)
+    path.write_text(
+        json.dumps(
+            {**(study := json.loads(path.read_text())), "overrides": [*study["overrides"], "model.branchnorm.T=10"]}
+        )
+    )
+    spec = read_spec(path)
+    cell = cells(spec)[0]
+    saved = check(spec, cells(spec))[cell].to_dict()  # what train.py writes: with the data's vocabulary
+    saved["model"]["branchnorm"]["T"] = 100  # pre_ln does not read it
+    cell_dir(spec, cell).mkdir(parents=True)
+    (cell_dir(spec, cell) / "config.json").write_text(json.dumps(saved))
+    check(spec, cells(spec))
+
+    saved["model"]["dropout"] = 0.3
+    (cell_dir(spec, cell) / "config.json").write_text(json.dumps(saved))
+    for args in ([], ["--report"]):
+        with pytest.raises(SystemExit) as exc:
+            study_main(["--study", str(path), *args])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+        assert "cell pre_ln-1L was trained with model.dropout=0.3, the study now gives 0.1" in err, err
+    assert sorted(p.name for p in (tmp_path / "study").iterdir()) == ["cells"]

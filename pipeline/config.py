@@ -7,6 +7,8 @@ DeepSpeed's sections against what the pinned DeepSpeed reads).
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import math
 import re
@@ -19,6 +21,7 @@ import torch
 from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
 from pipeline.data import BatchSize, SyntheticConfig
 from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
+from pipeline.staging import check_makeable
 
 OUR_SECTIONS = ("model", "data", "train")
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py
@@ -216,7 +219,10 @@ def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = 
 def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
     """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
     world_size None: not launched (e.g. planning); assume one pipeline replica."""
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        _require_int(ds, key)  # before DeepSpeed's own check, whose message names only the product
     check_deepspeed_keys(ds, OUR_SECTIONS)
+    check_monitors(ds)
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
@@ -293,6 +299,48 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         )
 
 
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
+def check_monitors(ds: dict[str, Any]) -> None:
+    """DeepSpeed's monitors import their package and make their output_path on every rank at start-up:
+    a missing package or a path that cannot be made was a traceback per rank."""
+    from deepspeed.monitor.config import get_monitor_config
+
+    monitors = get_monitor_config(ds)
+    for section, package in MONITOR_PACKAGES.items():
+        if getattr(monitors, section).enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{section}.enabled: needs the {package} package; pip install {package}, or disable it")
+    for section in ("tensorboard", "csv_monitor"):
+        monitor = getattr(monitors, section)
+        if monitor.enabled and monitor.output_path:
+            check_makeable(Path(monitor.output_path), f"{section}.output_path")
+
+
+def check_schedule(ds: dict[str, Any], train: TrainConfig) -> None:
+    """A schedule with an end (WarmupDecayLR, WarmupCosineLR) that ends before the run does would train
+    the remaining steps at its final rate (0 for WarmupDecayLR by default), and one that ends inside its
+    warmup never decays as written; DeepSpeed only logs a warning for the second."""
+    from deepspeed.runtime import lr_schedules
+
+    scheduler = ds.get("scheduler", {})
+    total = scheduler.get("params", {}).get("total_num_steps")
+    if total is None:
+        return
+    default = inspect.signature(getattr(lr_schedules, scheduler["type"])).parameters["warmup_num_steps"].default
+    warmup = scheduler["params"].get("warmup_num_steps", default)
+    if total < warmup:
+        raise ConfigError(
+            f"scheduler.params.total_num_steps: {total} ends inside the warmup of {warmup} steps; set it to "
+            f"{max(warmup, train.max_steps)} or more"
+        )
+    if total < train.max_steps:
+        raise ConfigError(
+            f"scheduler.params.total_num_steps: {total} ends before train.max_steps {train.max_steps}, and the steps "
+            f"after it would train at the schedule's final rate; set it to {train.max_steps}"
+        )
+
+
 def check_partition(partition: Any, cfg: ModelConfig) -> None:
     """cost, uniform, parameters, or type:REGEX matching some layer's class as DeepSpeed matches it."""
     if partition in ("cost", "uniform", "parameters"):
@@ -333,4 +381,5 @@ def load_config(path: str | Path, overrides: list[str] = (), world_size: int | N
     data = parse_section(DataConfig, raw["data"], "data")
     train = parse_section(TrainConfig, raw["train"], "train")
     check_deepspeed(ds, model, world_size)
+    check_schedule(ds, train)
     return RunConfig(model=model, data=data, train=train, deepspeed=ds)

@@ -156,6 +156,14 @@ VALUES = {
     "scheduler.params.warmup_max_lr=nan": "scheduler.params.warmup_max_lr: expected a number, got 'nan'",
     "optimizer.params.betas=[0.9]": "optimizer.params.betas: expected 2 numbers, e.g. [0.9, 0.999], got [0.9]",
     "optimizer.params.weight_decay=true": "optimizer.params.weight_decay: expected a number, got True",
+    # DeepSpeed's refusal named only "Train batch size: 0"
+    "train_micro_batch_size_per_gpu=0": "train_micro_batch_size_per_gpu: expected an integer >= 1, got 0",
+    "gradient_accumulation_steps=0": "gradient_accumulation_steps: expected an integer >= 1, got 0",
+    # a decay that ends before the run trained the last steps at rate 0; one inside its warmup only warned
+    "scheduler.type=WarmupDecayLR scheduler.params.warmup_num_steps=2 scheduler.params.total_num_steps=3 "
+    "train.max_steps=5": "scheduler.params.total_num_steps: 3 ends before train.max_steps 5",
+    "scheduler.type=WarmupDecayLR scheduler.params.warmup_num_steps=4 scheduler.params.total_num_steps=3 "
+    "train.max_steps=3": "scheduler.params.total_num_steps: 3 ends inside the warmup of 4 steps; set it to 4 or more",
 }
 
 
@@ -174,6 +182,23 @@ def test_a_save_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
         assert message in fail(capsys, args, monkeypatch=monkeypatch)
     assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
         "afile", "exp.json"]  # fmt: skip
+
+
+def test_a_monitor_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
+    """DeepSpeed imports a monitor's package and makes its output_path on every rank: a traceback each."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    (tmp_path / "afile").write_text("mine")
+    for overrides, message in (
+        (["wandb.enabled=true"], "wandb.enabled: needs the wandb package; pip install wandb, or disable it"),
+        (["csv_monitor.enabled=true", f"csv_monitor.output_path={tmp_path / 'afile' / 'csv'}"],
+         "csv_monitor.output_path: " + f"{tmp_path / 'afile'} is a file"),
+    ):  # fmt: skip
+        args = ["--config", str(write_config(tmp_path)), "--override", *overrides]
+        assert message in fail(capsys, args, monkeypatch=monkeypatch)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "exp.json"]
 
 
 def test_a_save_dir_in_use_or_holding_data_is_one_line(tmp_path, capsys, monkeypatch):

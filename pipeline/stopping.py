@@ -1,10 +1,11 @@
-"""Ctrl-C (SIGINT) or SIGTERM (a cluster's scheduler, or DeepSpeed's launcher passing a Ctrl-C on):
+"""Ctrl-C (SIGINT), SIGTERM (a cluster's scheduler, or DeepSpeed's launcher passing a Ctrl-C on) or SIGHUP:
 every rank ends at once, no traceback, no heartbeat or half-saved checkpoint left behind, and global
 rank 0 says where the run stopped and how to go on.
 
 The launcher answers SIGINT by sending every rank SIGTERM, whose default action kills a process
-outright, so both signals get this handler. Python runs it between bytecodes: a rank waiting inside a
-collective gets there once its peer, gone, breaks the connection.
+outright, so both signals get this handler; so does SIGHUP, which a closed terminal sends. Python runs
+it between bytecodes: a rank waiting inside a collective gets there once its peer, gone, breaks the
+connection.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from pipeline.commit import remove_uncommitted
 from pipeline.rundir import RunDirectory
 from pipeline.watchdog import HEARTBEAT_FILE, Watchdog
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: the terminal or ssh session the job was started from went away.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_on_signals(rank: int, save_dir: RunDirectory | None = None, watchdog: Watchdog | None = None,
                     steps_done: Callable[[], int] | None = None) -> None:  # fmt: skip
-    """From now on SIGINT and SIGTERM end this process with status 128 + signal. Before the run has a
+    """From now on SIGINT, SIGTERM and SIGHUP end this process with status 128 + signal. Before the run has a
     save_dir (start-up), nothing needs cleaning; after, pass the run's save_dir, watchdog and step count."""
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -138,11 +138,14 @@ def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
     assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and read_manifest(p) is None]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM to the job"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["Ctrl-C", "SIGTERM to the job", "terminal closed"]
+)
 def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
-    """Ctrl-C (SIGINT to the launcher and ranks, then the launcher's SIGTERM to the ranks), or a scheduler's
-    SIGTERM: one line from fathom naming the step and the checkpoint --resume continues from, no
-    traceback, no heartbeat or half-saved checkpoint left; --resume then finishes the run."""
+    """Ctrl-C (SIGINT to the launcher and ranks, then the launcher's SIGTERM to the ranks), a scheduler's
+    SIGTERM, or the SIGHUP of a closed terminal (it killed the ranks silently, heartbeats left): one line
+    from fathom naming the step and the checkpoint --resume continues from, no traceback, no heartbeat or
+    half-saved checkpoint left; --resume then finishes the run."""
     save_dir = tmp_path / "run"
     launch = command(save_dir, free_port())
     if sig == signal.SIGINT:  # DeepSpeed's runner prints a KeyboardInterrupt traceback; fathom's front end not

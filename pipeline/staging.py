@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from model.config import ConfigError
+from pipeline.checkpoint import CONFIG_FILE, LATEST
+from pipeline.corpus import META_FILE
 
 
 def check_makeable(out: Path, name: str) -> None:
@@ -40,10 +42,34 @@ def check_writable_file(path: Path, name: str) -> None:
         if not os.access(path, os.W_OK):
             raise ConfigError(f"{name} {path}: not writable; choose another")
         return
-    folder = Path(os.path.realpath(path)).parent  # a link's target is what gets replaced
+    target = Path(os.path.realpath(path))  # a link's target is what gets replaced
+    folder = target.parent
     if not folder.is_dir():
         raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
+    check_not_fathoms(target, f"{name} {path}")
     check_writable_folder(folder, f"{name} {path}:")
+
+
+def check_not_fathoms(target: Path, name: str) -> None:
+    """An output never lands among the files fathom reads back: a prepared data directory (every file
+    checksummed), a run's checkpoints (its subdirectories), or a run's records, which are JSON, JSONL,
+    torch files and `latest`; tools write their text and images beside those (generate.py's
+    SAVE_DIR/generate-test.txt)."""
+    folder = target.parent
+    if (folder / META_FILE).exists():
+        raise ConfigError(f"{name}: inside the prepared data directory {folder}; write it elsewhere")
+    if is_run(folder.parent):
+        raise ConfigError(f"{name}: inside the checkpoint {folder}; write it elsewhere")
+    if (
+        is_run(folder)
+        and target.exists()
+        and (target.suffix in (".json", ".jsonl", ".pt", ".py") or target.name == LATEST)
+    ):
+        raise ConfigError(f"{name}: would replace the training run's {target.name}; choose another file")
+
+
+def is_run(folder: Path) -> bool:
+    return (folder / CONFIG_FILE).exists() and (folder / LATEST).exists()
 
 
 def check_out(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:

@@ -192,6 +192,25 @@ def test_split_decoders_refuse_bad_arguments_before_decoding(capsys, run, multi3
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_an_output_never_replaces_the_data_or_the_runs_records(capsys, run, multi30k_slice):
+    """`generate.py --output RUN/config.json` replaced the run's config with hypotheses and exited 0 (the
+    run was then unreadable); an output in the data directory lands among checksummed inputs."""
+    files = [p for p in (*multi30k_slice.iterdir(), *run.iterdir()) if p.is_file()]
+    before = {p: p.read_bytes() for p in files}
+    tag = run / (run / "latest").read_text().strip()
+    for output, message in (
+        (run / "config.json", "would replace the training run's config.json; choose another file"),
+        (run / "latest", "would replace the training run's latest"),
+        (tag / "hypotheses.txt", f"inside the checkpoint {tag}"),
+        (multi30k_slice / "test.raw.en", f"inside the prepared data directory {multi30k_slice}"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), *SEARCH, "--output", str(output)])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert {p: p.read_bytes() for p in files} == before and not (tag / "hypotheses.txt").exists()
+
+
 def test_a_damaged_run_directory_is_one_line(capsys, multi30k_slice, tmp_path):
     """Each was a traceback, or for `latest`, a checkpoint read from outside the run."""
     run = untrained_run(multi30k_slice, tmp_path / "run")

@@ -28,6 +28,12 @@ DEFAULT_PARTITION = "cost"  # pipeline/partition.py
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
+def check_no_tilde(path: str | None, key: str) -> None:
+    """Only a shell expands ~: in a config it would make a directory named ~ where the job runs."""
+    if path is not None and path.startswith("~"):
+        raise ConfigError(f"{key}: {path!r} starts with ~, which a config does not expand; write the full path")
+
+
 @dataclass
 class DataConfig:
     # A directory written by scripts/prepare_data.py; None trains on the built-in synthetic task.
@@ -39,6 +45,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"data.max_tokens: must be positive, got {self.max_tokens}")
+        check_no_tilde(self.path, "data.path")
         if self.path is not None and not (Path(self.path) / "meta.json").exists():
             raise ConfigError(f"data.path: {self.path} is not a prepared data directory; run scripts/prepare_data.py")
 
@@ -103,6 +110,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.save_dir.strip():
             raise ConfigError("train.save_dir: empty; name the directory for checkpoints, e.g. checkpoints/run")
+        check_no_tilde(self.save_dir, "train.save_dir")
+        check_no_tilde(self.init_from, "train.init_from")
         if not 0 <= self.seed < 2**31:
             raise ConfigError(f"train.seed: must be in [0, 2^31), got {self.seed}")
         for key in ("max_steps", "save_interval", "log_interval", "valid_interval", "grad_norm_interval"):
@@ -195,9 +204,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
 
 def read_json(path: str | Path) -> dict[str, Any]:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); save the config as UTF-8") from None
     try:
         raw = json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as err:

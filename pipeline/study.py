@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from model.config import EOS, PAD, ConfigError, exit_on_config_error, parse_section
 from model.norms import SCHEMES
 from pipeline.checkpoint import CONFIG_FILE, latest_tag, load_reference, write_atomic
-from pipeline.config import RunConfig, load_config, read_json
+from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
 from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import collate
 from pipeline.stability import NONFINITE_EXIT
@@ -81,6 +81,7 @@ class StudySpec:
     def __post_init__(self) -> None:
         if not self.out.strip():
             raise ConfigError("study.out: empty; name the study's directory, e.g. studies/multi30k")
+        check_no_tilde(self.out, "study.out")
         if not self.schemes or not self.depths:
             raise ConfigError("study: give at least one scheme and one depth")
         for depth in [*self.depths, *([self.sensitivity.depth] if self.sensitivity else [])]:

@@ -147,6 +147,8 @@ VALUES = {
     "model.max_positions=4": "model.max_positions: 4 is below the longest training pair (7 tokens)",
     "train.seed=-1": "train.seed: must be in [0, 2^31), got -1",
     "train.save_dir=": "train.save_dir: empty; name the directory for checkpoints",
+    # a directory named ~ where the job ran
+    "train.save_dir=~/runs/a": "train.save_dir: '~/runs/a' starts with ~, which a config does not expand",
     "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
     "train.max_steps=0": "train.max_steps: must be at least 1, got 0",  # trained nothing, exit 0
     "train.init_step=5": "train.init_step: 5; it is the step train.init_from's weights start at",
@@ -252,6 +254,18 @@ def test_world_size_not_divisible_by_stages(tmp_path, capsys, monkeypatch):
 def test_malformed_json(tmp_path, capsys, monkeypatch):
     err = fail(capsys, ["--config", str(write_config(tmp_path, text='{"model": {,}}'))], monkeypatch=monkeypatch)
     assert "invalid JSON at line 1 column 12" in err
+
+
+def test_a_config_with_a_bom_loads_and_one_not_utf8_is_one_line(tmp_path, capsys, monkeypatch):
+    """A BOM (Windows editors) was refused as invalid JSON; Latin-1 text was a UnicodeDecodeError traceback."""
+    path = write_config(tmp_path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert (
+        load_config(path, world_size=None).model.encoder_layers
+        == json.loads(DEFAULT.read_text())["model"]["encoder_layers"]
+    )
+    path.write_bytes(path.read_bytes()[3:].replace(b'"model"', b'"mod\xe9l"', 1))
+    assert "exp.json: not UTF-8 text (byte" in fail(capsys, ["--config", str(path)], monkeypatch=monkeypatch)
 
 
 def test_a_key_twice_in_one_object_is_one_line(tmp_path, capsys, monkeypatch):

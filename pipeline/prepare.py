@@ -14,6 +14,7 @@ import argparse
 import gzip
 import io
 import json
+import sys
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -125,6 +126,22 @@ def encode(processor: spm.SentencePieceProcessor, lines: list[str], desc: str) -
     return pieces
 
 
+HELD_OUT_WARNING = 0.01  # Multi30k's valid and test splits each share 1 pair of ~1,000 with train
+
+
+def check_held_out(splits: list[Split], prefixes: dict[str, str]) -> None:
+    """Validation and test pairs that are also training pairs measure memory, not translation: a split
+    made only of them (the train prefix given again) is refused, and more than 1% is a warning."""
+    train = set(zip(splits[0].src, splits[0].tgt, strict=True))
+    for split in splits[1:]:
+        seen = sum(pair in train for pair in zip(split.src, split.tgt, strict=True))
+        where = f"{split.name} ({prefixes[split.name]})"
+        if seen == len(split.src):
+            raise ConfigError(f"{where}: every pair is also a training pair; give held-out data")
+        if seen > HELD_OUT_WARNING * len(split.src):
+            print(f"fathom: warning: {where}: {seen} of {len(split.src)} pairs are training pairs too", file=sys.stderr)
+
+
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     check_out(out, args.force, META_FILE, [args.train, args.valid, *args.test])
@@ -137,6 +154,7 @@ def prepare(args: argparse.Namespace) -> dict:
     prefixes = {"train": args.train, "valid": args.valid}
     prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
     splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
+    check_held_out(splits, prefixes)
     train = splits[0]
 
     with staged(out) as tmp:

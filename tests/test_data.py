@@ -99,6 +99,18 @@ def test_a_damaged_gzip_input_is_one_line(tmp_path, capsys, damage):
     assert not (tmp_path / "out").exists()
 
 
+def test_validation_made_of_training_pairs_is_refused_and_overlap_warned(tmp_path, capsys):
+    """--valid given the train prefix again validated on the training data, silently."""
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    err = expect_error(capsys, tmp_path, train, train)
+    assert f"valid ({train}): every pair is also a training pair; give held-out data" in err, err
+    for lang in ("de", "en"):  # 5 of 25 validation pairs copied from train
+        lines = (tmp_path / f"train.{lang}").read_text().splitlines(True)[:5]
+        (tmp_path / f"val.{lang}").write_text((tmp_path / f"val.{lang}").read_text() + "".join(lines))
+    prepare(tmp_path, train, valid)
+    assert f"fathom: warning: valid ({valid}): 5 of 25 pairs are training pairs too" in capsys.readouterr().err
+
+
 def test_empty_and_long_pairs_are_dropped_and_counted(tmp_path):
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
     de = (tmp_path / "train.de").read_text().splitlines(True)

@@ -34,7 +34,7 @@ from pipeline.checkpoint import (
     write_dictionaries,
 )
 from pipeline.config import RunConfig, TrainConfig, load_config
-from pipeline.corpus import META_FILE, BinarizedCorpus
+from pipeline.corpus import META_FILE, BinarizedCorpus, PreparedData
 from pipeline.data import (
     MicroBatch,
     MicroBatches,
@@ -83,6 +83,17 @@ def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
     for key, size in (("src_vocab_size", corpus.src_vocab_size), ("tgt_vocab_size", corpus.tgt_vocab_size)):
         if getattr(cfg, key) not in (None, size):
             raise ConfigError(f"model.{key}: {getattr(cfg, key)} but the data's dictionary has {size}; remove the key")
+    # One table for both sides needs one dictionary: separate ones of equal size would pass the size
+    # check and give a token id a different word on each side (fairseq refuses this too).
+    if (
+        cfg.share_all_embeddings
+        and isinstance(corpus, PreparedData)
+        and corpus.src_dict.symbols != corpus.tgt_dict.symbols
+    ):
+        raise ConfigError(
+            "model.share_all_embeddings: the data has separate source and target dictionaries (prepared with "
+            "--separate-vocab); prepare it without, or set share_all_embeddings false"
+        )
     return dataclasses.replace(cfg, src_vocab_size=corpus.src_vocab_size, tgt_vocab_size=corpus.tgt_vocab_size)
 
 

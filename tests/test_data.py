@@ -67,6 +67,24 @@ def test_separate_vocabularies(tmp_path):
     assert (out / "dict.de.txt").read_text() != (out / "dict.en.txt").read_text()
 
 
+def test_shared_embeddings_over_separate_dictionaries_of_one_size_are_refused(tmp_path, capsys, monkeypatch):
+    """Equal sizes passed the check, and each token id then meant one word in German, another in English."""
+    train, valid = write_slice(tmp_path, "train", 200), write_slice(tmp_path, "val", 20)
+    prepare(tmp_path, train, valid, "--separate-vocab")
+    assert len((tmp_path / "out" / "dict.de.txt").read_text().splitlines()) == len(
+        (tmp_path / "out" / "dict.en.txt").read_text().splitlines()
+    )
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--config", str(ROOT / "ds_configs" / "default.json"), "--override",
+                    f"data.path={tmp_path / 'out'}", "model.share_all_embeddings=true",
+                    f"train.save_dir={tmp_path / 'run'}"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.startswith("fathom: error: model.share_all_embeddings: the data has separate")
+    assert not (tmp_path / "run").exists()
+
+
 def test_mismatched_line_counts(tmp_path, capsys):
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
     (tmp_path / "train.en").write_text("".join((tmp_path / "train.en").read_text().splitlines(True)[:99]))

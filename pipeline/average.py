@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from pipeline.checkpoint import (
     model_config,
     plain_name,
     read_manifest,
+    save_file,
     schedule_step,
 )
 from pipeline.commit import BEST
@@ -223,12 +223,6 @@ def average_layer(paths: list[Path]) -> dict[str, Any]:
     return {key: (sums[key] / len(paths)).to(value.dtype) if key in sums else value for key, value in state.items()}
 
 
-def save_synced(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def by_step(checkpoints: list[Path]) -> list[tuple[int, Path]]:
     """(step, checkpoint), oldest first."""
     return sorted((global_step(checkpoint), checkpoint) for checkpoint in checkpoints)
@@ -246,9 +240,9 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
     }
     with staged(save_dir / out_tag) as staging:
         for name in names:
-            save_synced(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
+            save_file(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
         states = {"global_steps": summary["global_steps"], "schedule_step": schedule_step(checkpoints[-1][1])}
-        save_synced(states, staging / MODEL_STATES)
+        save_file(states, staging / MODEL_STATES)
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         fsync_dir(staging)
     fsync_dir(save_dir)

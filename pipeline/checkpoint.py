@@ -14,7 +14,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -169,6 +169,39 @@ def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
         if bad is not None:
             return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
     return None
+
+
+class ErrorKeepingWriter:
+    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
+    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
+
+    def __init__(self, file: BinaryIO, path: str | Path) -> None:
+        self.file, self.path = file, str(path)
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = OSError(err.errno, err.strerror, self.path)
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) -> None:
+    """torch.save, then fsync: on disk once this returns. A write that fails (a full disk) raises the
+    system's OSError naming the file."""
+    with open(path, "wb") as f:
+        writer = ErrorKeepingWriter(f, path)
+        try:
+            torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+        os.fsync(f.fileno())
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = (), verify: bool = True) -> Any:

@@ -22,10 +22,9 @@ import shutil
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import deepspeed
-import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
@@ -43,6 +42,7 @@ from pipeline.checkpoint import (
     load_file,
     model_config,
     read_manifest,
+    save_file,
     write_atomic,
 )
 from pipeline.config import RunConfig
@@ -51,25 +51,6 @@ from pipeline.data import ParallelCorpus
 from pipeline.world import end_distributed
 
 BEST = "best"
-
-
-class ErrorKeepingWriter:
-    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
-    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
-
-    def __init__(self, file: BinaryIO, path: str) -> None:
-        self.file, self.path = file, path
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self.file.write(data)
-        except OSError as err:
-            self.error = OSError(err.errno, err.strerror, self.path)
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):
@@ -82,15 +63,7 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
         self.written: dict[str, dict[str, Any]] = {}
 
     def save(self, state_dict: Any, path: str) -> None:
-        with open(path, "wb") as f:
-            writer = ErrorKeepingWriter(f, path)
-            try:
-                torch.save(state_dict, writer, _use_new_zipfile_serialization=self.zipfile_serialization)
-            except RuntimeError:
-                if writer.error is None:
-                    raise
-                raise writer.error from None
-            os.fsync(f.fileno())
+        save_file(state_dict, path, self.zipfile_serialization)
         self.written[Path(path).name] = {"bytes": os.path.getsize(path), "zip": zipfile.is_zipfile(path)}
 
     def load(self, path: str, map_location: Any = None) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig, exit_on_config_error
-from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file
+from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file, save_file
 from pipeline.layers import layer_specs
 from pipeline.staging import check_out, staged
 from pipeline.to_fairseq import fairseq_key
@@ -131,7 +131,7 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
             reason = next((line for line in lines if "size mismatch" in line), lines[0])
             raise ConfigError(f"{source}: {name}: {reason}") from None
         used.update(fairseq_key(name, key) for key in ours)
-        torch.save(module.state_dict(), layer_file(checkpoint, index))
+        save_file(module.state_dict(), layer_file(checkpoint, index))
     if extra := sorted(k for k in set(state) - used - NOT_WEIGHTS if not BETTER_TRANSFORMER_COPY.fullmatch(k)):
         raise ConfigError(f"{source}: weight {extra[0]} has no place in this model ({len(extra)} such); not converted")
 

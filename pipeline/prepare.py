@@ -169,7 +169,10 @@ def prepare(args: argparse.Namespace) -> dict:
                 joint = train_sentencepiece(train.src + train.tgt, tmp / "spm", args.vocab_size, args.model_type)
                 processors = {args.src: joint, args.tgt: joint}
         except RuntimeError as err:
-            raise ConfigError(f"SentencePiece: {str(err).splitlines()[-1]}; try a smaller --vocab-size") from None
+            reason = str(err).splitlines()[-1]
+            # Its other failure here is a model file it could not write whole and so cannot read back.
+            fix = "try a smaller --vocab-size" if "vocab" in reason.lower() else f"is {out.parent} full?"
+            raise ConfigError(f"SentencePiece: {reason}; {fix}") from None
 
         pieces = {
             (split.name, lang): encode(processors[lang], getattr(split, side), f"{split.name}.{lang}")

@@ -41,6 +41,7 @@ from pipeline.checkpoint import (
     load_file,
     missing_layer_files,
     model_config,
+    save_file,
     schedule_step,
 )
 from pipeline.corpus import BinarizedCorpus
@@ -266,7 +267,7 @@ class Export:
             "max_abs_log_prob_difference": difference,
             "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
         }
-        torch.save(fairseq_checkpoint(self.plain, state, corpus, final, summary), out / CHECKPOINT)
+        save_file(fairseq_checkpoint(self.plain, state, corpus, final, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
             shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
         for path in spm_files:

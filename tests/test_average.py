@@ -2,6 +2,7 @@
 written as DeepSpeed writes them, with the manifests and `latest` that pipeline/commit.py writes."""
 
 import json
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,20 @@ def test_the_script_averages(run, root):
     assert result.returncode == 0, result.stderr
     assert f"wrote {run / 'avg_9_best'}: the mean of global_step9, best" in result.stdout
     assert global_step(run / "avg_9_best") == 12
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_tag(run, root):
+    """torch's zip writer reported a failed write as `RuntimeError: unexpected pos`, a traceback."""
+    before = snapshot(run)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    result = subprocess.run(
+        [sys.executable, "scripts/average_checkpoints.py", "--checkpoint", str(run), "--last", "2"], cwd=root,
+        capture_output=True, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard)),
+    )  # fmt: skip
+    err = result.stderr.strip()
+    assert result.returncode == 1 and len(err.splitlines()) == 1 and err.endswith(": File too large"), err
+    assert snapshot(run) == before
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:

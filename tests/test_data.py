@@ -2,7 +2,10 @@
 
 import gzip
 import json
+import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +130,21 @@ def test_validation_made_of_training_pairs_is_refused_and_overlap_warned(tmp_pat
         (tmp_path / f"val.{lang}").write_text((tmp_path / f"val.{lang}").read_text() + "".join(lines))
     prepare(tmp_path, train, valid)
     assert f"fathom: warning: valid ({valid}): 5 of 25 pairs are training pairs too" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_that_does_not_blame_the_vocabulary(tmp_path):
+    """SentencePiece cannot read back a model it could not write whole; the line said: smaller --vocab-size."""
+    train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    result = subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", "--src", "de", "--tgt", "en", "--train", train, "--valid", valid,
+         "--vocab-size", "300", "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard)),
+    )  # fmt: skip
+    err = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and err.startswith("fathom: error: SentencePiece") and f"is {tmp_path} full?" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.de", "train.en", "val.de", "val.en"]
 
 
 def test_empty_and_long_pairs_are_dropped_and_counted(tmp_path):

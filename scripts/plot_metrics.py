@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
         if not path.is_file():
             raise ConfigError(f"{path}: no such file; pass the train.save_dir of a run")
         records = read_jsonl(path)
+        if not any("loss" in r for r in records):
+            raise ConfigError(f"{path}: no training step logged yet; plot after the first train.log_interval steps")
         check_writable_file(out, "--out")
         image_format = out.suffix[1:].lower()
         if image_format not in FigureCanvasBase.get_supported_filetypes():

@@ -71,6 +71,16 @@ def test_plot_metrics_refuses_a_log_damaged_before_its_end(tmp_path):
     )
 
 
+@pytest.mark.parametrize("text", ["", '{"step": 1, "lo', '{"step": 1, "valid_loss": 5.0}\n'])
+def test_plot_metrics_refuses_a_run_with_no_step_logged(tmp_path, text):
+    """It drew empty axes and exited 0: a run that had not logged yet looked like one that learned nothing."""
+    (tmp_path / "metrics.jsonl").write_text(text)
+    result = plot_metrics(tmp_path)
+    err = [line for line in result.stderr.splitlines() if "warning" not in line]
+    assert result.returncode == 2 and len(err) == 1 and "no training step logged yet" in err[0], result.stderr
+    assert not (tmp_path / "loss.png").exists()
+
+
 def test_readme_scheme_table_is_the_registrys():
     result = subprocess.run([sys.executable, "scripts/list_schemes.py"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,7 @@ F is combined with the residual stream and normalized, and how the layer's weigh
 initialized on top of fairseq's defaults. Adding a scheme is one registered class below;
 layers, pipeline and trainer do not change.
 
-    python scripts/list_schemes.py      # prints the registry as a table (README's)
+    python scripts/list_schemes.py      # prints the registry as a table (docs/SCHEMES.md's)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prints the norm-scheme registry as a Markdown table; README's table is this output.
+"""Prints the norm-scheme registry as a Markdown table; docs/SCHEMES.md's table is this output.
 
     python scripts/list_schemes.py
 

@@ -39,6 +39,7 @@ from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
+from pipeline.deepspeed_internals import clear_pipe_buffers
 from pipeline.layers import Modules, layer_specs, run_layer
 from pipeline.partition import stage_bounds
 from pipeline.peers import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
@@ -217,9 +218,7 @@ def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> I
     # The engine keeps the last logits (pipe_buffers) and loss; their autograd graph holds DeepSpeed's
     # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
     # (weights, optimizer state) would stay in memory until the process ends.
-    for buffer in engine.pipe_buffers.values():
-        buffer.clear()
-    engine.loss = None
+    clear_pipe_buffers(engine)
 
 
 BUILDERS: dict[str, Callable[[ModelConfig, MicroBatch, torch.dtype], contextlib.AbstractContextManager[Step]]] = {

@@ -48,6 +48,7 @@ from pipeline.checkpoint import (
 from pipeline.config import RunConfig
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus
+from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
 from pipeline.world import end_distributed
 
 BEST = "best"
@@ -73,12 +74,13 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
 
 
 def install(engine: deepspeed.DeepSpeedEngine) -> None:
-    if type(engine.checkpoint_engine) is not TorchCheckpointEngine:
+    current = checkpoint_engine(engine)
+    if type(current) is not TorchCheckpointEngine:
         raise ConfigError(
             f"checkpoint: fathom's crash-safe commit works with DeepSpeed's default torch checkpoint engine, "
-            f"not {type(engine.checkpoint_engine).__name__}; remove the checkpoint writer settings"
+            f"not {type(current).__name__}; remove the checkpoint writer settings"
         )
-    engine.checkpoint_engine = CommittingCheckpointEngine(engine.checkpoint_engine.zipfile_serialization)
+    set_checkpoint_engine(engine, CommittingCheckpointEngine(current.zipfile_serialization))
 
 
 def link_atomic(path: Path, target: str) -> None:
@@ -104,7 +106,7 @@ def save(
     step-dependent values belong to (checkpoint.schedule_step); returns its tag."""
     save_dir = Path(save_dir)
     tag = best_tag(engine.global_steps) if best else f"global_step{engine.global_steps}"
-    writer: CommittingCheckpointEngine = engine.checkpoint_engine
+    writer: CommittingCheckpointEngine = checkpoint_engine(engine)
     if dist.get_rank() == 0:
         # A manifest left from an earlier attempt at this tag must not vouch for files being rewritten
         # (DeepSpeed's save starts with a barrier, so no rank writes before this is gone).

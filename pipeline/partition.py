@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import itertools
 
-from deepspeed.pipe import PipelineModule
-
 from model.config import ModelConfig
+from pipeline.deepspeed_internals import ExternallyPartitioned
 from pipeline.layers import (
     TRANSFORMER_LAYERS,
     DecoderLayerPipe,
@@ -106,23 +105,22 @@ def stage_costs(cfg: ModelConfig, stages: int) -> list[int]:
     return cut_stages(cfg, stages)[1]
 
 
-class CostBalancedPipeline(PipelineModule):
+class CostBalancedPipeline(ExternallyPartitioned):
     """A PipelineModule whose stages are cut by `stage_bounds` (and which prints one line per stage
     rather than DeepSpeed's line per layer)."""
 
     def __init__(self, *args, model: ModelConfig, **kwargs):
-        self.model_config = model  # read by _partition_layers inside PipelineModule.__init__
+        self.model_config = model  # read by bounds() inside PipelineModule.__init__
         super().__init__(*args, **kwargs)
 
-    def _partition_layers(self, method: str = "cost") -> None:
-        self.parts, costs = cut_stages(self.model_config, self.num_stages)
+    def bounds(self) -> list[int]:
+        parts, costs = cut_stages(self.model_config, self.num_stages)
         if self.global_rank == 0:
             mean = sum(costs) / len(costs)
-            for stage, (start, stop) in enumerate(itertools.pairwise(self.parts)):
+            for stage, (start, stop) in enumerate(itertools.pairwise(parts)):
                 print(
                     f"fathom: stage {stage}: layers {start}-{stop - 1} ({stop - start}), "
                     f"estimated compute {costs[stage] / mean:.3f} x mean",
                     flush=True,
                 )
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        return parts

@@ -30,6 +30,14 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.transformer import module_names
+from pipeline.deepspeed_internals import (
+    loss_scale,
+    replace_model_step,
+    replace_stage_call,
+    stage_layers,
+    zero_gradient_slice,
+    zero_sharded,
+)
 from pipeline.layers import layer_specs
 from pipeline.world import end_distributed
 
@@ -85,16 +93,13 @@ def local_gradient(param: nn.Parameter) -> Tensor | None:
     """The gradient the optimizer will apply to `param` (after data-parallel averaging), as this rank
     holds it: deepspeed.utils.safe_get_full_grad without its per-parameter all-reduce. ZeRO-1 keeps
     only the slice in this rank's partition; without ZeRO, param.grad is the whole (averaged) gradient."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is not None:
-        return mapping.get_lp_grad_fragment(param._index_in_param_group)
-    return param.grad
+    return zero_gradient_slice(param) if zero_sharded(param) else param.grad
 
 
 def owned_share(param: nn.Parameter, grad: Tensor, data_parallel_rank: int) -> Tensor | None:
     """The part of `grad` (local_gradient) no other data-parallel rank counts, so squares summed over
     all ranks give the norm once: ZeRO-1's slices are disjoint; a whole gradient counts on rank 0."""
-    if getattr(param, "_hp_mapping", None) is not None:
+    if zero_sharded(param):
         return grad
     return grad if data_parallel_rank == 0 else None
 
@@ -122,8 +127,7 @@ class StabilityGuard:
         self.extremes: list[tuple[int, tuple[Tensor, Tensor]]] = []
         self.params: list[nn.Parameter] = []
         self.owners: list[int] = []
-        for offset, func in enumerate(self.pipe.forward_funcs):
-            layer = self.pipe._local_start + offset
+        for offset, layer, func in stage_layers(self.pipe):
             if isinstance(func, nn.Module):
                 func.register_forward_hook(partial(self._output_hook, layer))
                 if self.saved[layer] is not None:
@@ -131,7 +135,7 @@ class StabilityGuard:
                     self.params += trainable
                     self.owners += [layer] * len(trainable)
             else:  # a tied table's later use: DeepSpeed calls its forward_fn, which module hooks never see
-                self.pipe.forward_funcs[offset] = partial(self._call_and_check, layer, func)
+                replace_stage_call(self.pipe, offset, partial(self._call_and_check, layer, func))
 
         optimizer = engine.optimizer
         # The engine skips a step only for optimizers that report `overflow`: DeepSpeed's own wrappers.
@@ -141,8 +145,7 @@ class StabilityGuard:
         elif getattr(optimizer, "compute_grad_norm", True) is False:
             # fp32 ZeRO without its gradient norm would check nothing: use its fp16 overflow check.
             optimizer.check_grad_overflow = True
-        self._take_model_step = engine._take_model_step
-        engine._take_model_step = self._checked_model_step
+        self.apply_update = replace_model_step(engine, self._checked_model_step)
 
     def _output_hook(self, layer: int, module: nn.Module, inputs: Any, output: Any) -> None:
         self._check_output(layer, output)
@@ -209,7 +212,7 @@ class StabilityGuard:
             summary[0] > 0, outputs_nonfinite, [g and not fp16 for g in grads_nonfinite], self.names, self.pipe.parts
         )
         if self.grad_norm_interval and step % self.grad_norm_interval == 0 and self.write_norms is not None:
-            scale = engine._get_optimizer_loss_scale() if fp16 else 1.0  # the engine's own accessor
+            scale = loss_scale(engine) if fp16 else 1.0
             norms = {name: math.sqrt(squares[i]) / scale for i, name in enumerate(self.saved) if name is not None}
             self.write_norms({"step": step, "norms": norms})
         if self.found is not None and not any(grads_nonfinite) and self.optimizer_checks:
@@ -218,7 +221,7 @@ class StabilityGuard:
             for _, grad in grads:
                 grad.fill_(math.nan)
         skipped_before = engine.skipped_steps
-        self._take_model_step(lr_kwargs)
+        self.apply_update(lr_kwargs)
         self.skipped = engine.skipped_steps > skipped_before
         if self.found is not None and not self.skipped:
             raise RuntimeError(f"step {step}: DeepSpeed applied an update despite a {self.found}")
@@ -226,7 +229,7 @@ class StabilityGuard:
     def step_record(self) -> dict[str, Any]:
         """metrics.jsonl fields of the last step: fp16's loss scale after it (as fairseq logs it), and
         for a skipped step, why."""
-        record = {"loss_scale": self.engine._get_optimizer_loss_scale()} if self.engine.fp16_enabled() else {}
+        record = {"loss_scale": loss_scale(self.engine)} if self.engine.fp16_enabled() else {}
         if self.skipped:
             record |= {"skipped": True, "nonfinite": self.found or "fp16 gradient overflow (DeepSpeed's loss scaler)"}
         return record

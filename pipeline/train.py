@@ -44,6 +44,7 @@ from pipeline.data import (
     eval_batches,
 )
 from pipeline.decode import bleu_set, valid_bleu
+from pipeline.deepspeed_internals import checkpoint_engine
 from pipeline.heap import heap_for_decoding, return_freed_tensors
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
@@ -138,7 +139,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
 def load_weights(engine: deepspeed.PipelineEngine, checkpoint: Path) -> None:
     """This stage's layers from a checkpoint's per-layer files, with DeepSpeed's own loader (which
     also synchronizes tied weights across stages); optimizer state starts fresh."""
-    engine.module.load_state_dir(str(checkpoint), checkpoint_engine=engine.checkpoint_engine)
+    engine.module.load_state_dir(str(checkpoint), checkpoint_engine=checkpoint_engine(engine))
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's fp32 master copies
         engine.optimizer.refresh_fp32_params()
 

@@ -20,6 +20,7 @@ import torch
 from model.transformer import module_names
 from pipeline import train as training
 from pipeline.config import load_config
+from pipeline.deepspeed_internals import stage_layers, stage_range
 from pipeline.world import run_launched
 
 build_engine = training.build_engine
@@ -47,8 +48,8 @@ def inject(fault):
     def build_faulty_engine(cfg):
         engine = build_engine(cfg)
         pipe, layer = engine.module, module_names(cfg.model).index(name)
-        if pipe._local_start <= layer < pipe._local_stop:
-            module = pipe.forward_funcs[layer - pipe._local_start]
+        if layer in stage_range(pipe):
+            module = {index: func for _, index, func in stage_layers(pipe)}[layer]
 
             def now():
                 return pipe.training and engine.global_steps + 1 == int(step)

@@ -19,6 +19,7 @@ from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import ValidBleu, load_config
 from pipeline.data import MicroBatches
 from pipeline.decode import translate
+from pipeline.deepspeed_internals import stage_range
 from pipeline.hooks import ScheduleHook
 from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
 from pipeline.world import run_launched
@@ -50,7 +51,8 @@ def main():
         data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
         loss = engine.train_batch(data_iter=data)
         engine.save_checkpoint(str(save_dir), tag="after")
-        layers = {"start": int(engine.module._local_start), "stop": int(engine.module._local_stop)}
+        held = stage_range(engine.module)
+        layers = {"start": held.start, "stop": held.stop}
         (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
         ScheduleHook(engine.module)(engine.global_steps)  # as load_reference sets the "after" weights
         valid = build_corpus(cfg, "valid")

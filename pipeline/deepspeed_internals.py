@@ -1,0 +1,104 @@
+"""Every use of DeepSpeed's internals (attributes outside its documented API), in this one module.
+
+They were read from DeepSpeed SUPPORTED_VERSION's source and may change in any other release without
+notice, so a different installed version is refused at import in one line, before a run can break,
+or worse, misbehave quietly, halfway through. tests/test_deepspeed_internals.py exercises each one
+on a real engine of the installed DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import deepspeed
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from torch import Tensor, nn
+
+SUPPORTED_VERSION = "0.19.8"
+
+
+def check_version(installed: str = deepspeed.__version__) -> None:
+    if installed.split("+")[0] != SUPPORTED_VERSION:
+        print(
+            f"fathom: error: DeepSpeed {installed} is installed, but fathom is built and tested against "
+            f"{SUPPORTED_VERSION}, whose internals it uses; pip install deepspeed=={SUPPORTED_VERSION}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+check_version()
+
+
+# PipelineModule: fathom cuts the stages itself (pipeline/partition.py).
+class ExternallyPartitioned(PipelineModule):
+    """A PipelineModule whose stage bounds come from `bounds()`, a subclass's, instead of one of
+    DeepSpeed's partition methods."""
+
+    def bounds(self) -> list[int]:
+        """The first layer of each stage, then the layer count."""
+        raise NotImplementedError
+
+    def _partition_layers(self, method: str = "cost") -> None:
+        self.parts = self.bounds()
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def stage_layers(pipe: PipelineModule) -> Iterator[tuple[int, int, nn.Module | Callable[..., Any]]]:
+    """(offset in this stage, pipeline layer index, what the stage calls for it): a module, or for a
+    tied layer's later use, the function DeepSpeed calls instead of its forward."""
+    for offset, func in enumerate(pipe.forward_funcs):
+        yield offset, pipe._local_start + offset, func
+
+
+def stage_range(pipe: PipelineModule) -> range:
+    """The pipeline layer indices this rank's stage holds."""
+    return range(pipe._local_start, pipe._local_stop)
+
+
+def replace_stage_call(pipe: PipelineModule, offset: int, func: Callable[..., Any]) -> None:
+    pipe.forward_funcs[offset] = func
+
+
+# PipelineEngine
+def replace_model_step(engine: deepspeed.PipelineEngine, step: Callable[..., None]) -> Callable[..., None]:
+    """Makes `step` the engine's optimizer step (clipping, the optimizer, the LR schedule, counting
+    skipped steps), the one place between backward and the update; returns the engine's own."""
+    original = engine._take_model_step
+    engine._take_model_step = step
+    return original
+
+
+def loss_scale(engine: deepspeed.PipelineEngine) -> float:
+    """fp16's current loss scale, as the engine reads it."""
+    return engine._get_optimizer_loss_scale()
+
+
+def checkpoint_engine(engine: deepspeed.PipelineEngine) -> CheckpointEngine:
+    return engine.checkpoint_engine
+
+
+def set_checkpoint_engine(engine: deepspeed.PipelineEngine, writer: CheckpointEngine) -> None:
+    engine.checkpoint_engine = writer
+
+
+def clear_pipe_buffers(engine: deepspeed.PipelineEngine) -> None:
+    """Drops the last step's activations and outputs, whose autograd graph holds the engine's hooks."""
+    for buffer in engine.pipe_buffers.values():
+        buffer.clear()
+    engine.loss = None
+
+
+# ZeRO-1 parameters
+def zero_sharded(param: nn.Parameter) -> bool:
+    """Whether ZeRO-1 keeps `param`'s gradient in slices over the data-parallel ranks."""
+    return getattr(param, "_hp_mapping", None) is not None
+
+
+def zero_gradient_slice(param: nn.Parameter) -> Tensor:
+    """The slice of a zero_sharded parameter's averaged gradient that this rank's partition holds."""
+    return param._hp_mapping.get_lp_grad_fragment(param._index_in_param_group)

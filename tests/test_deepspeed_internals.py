@@ -1,0 +1,85 @@
+"""The DeepSpeed internals fathom uses (pipeline/deepspeed_internals.py) exist in the installed DeepSpeed
+and do what fathom relies on, on a real one-stage ZeRO-1 engine; another DeepSpeed version is refused in
+one line; setup.cfg pins the supported one."""
+
+import contextlib
+import io
+import itertools
+
+import pytest
+import torch
+from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+from model.config import ModelConfig
+from pipeline.bench import init_single_process, synthetic_batch
+from pipeline.config import DataConfig, RunConfig, TrainConfig
+from pipeline.deepspeed_internals import (
+    SUPPORTED_VERSION,
+    check_version,
+    checkpoint_engine,
+    clear_pipe_buffers,
+    loss_scale,
+    replace_model_step,
+    stage_layers,
+    stage_range,
+    zero_gradient_slice,
+    zero_sharded,
+)
+from pipeline.layers import layer_specs
+from pipeline.train import build_engine
+from tests.conftest import ROOT
+
+
+def test_another_deepspeed_version_is_one_line(capsys):
+    for installed in ("0.20.0", "0.19.7"):
+        with pytest.raises(SystemExit) as exc:
+            check_version(installed)
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"DeepSpeed {installed} is installed" in err and f"pip install deepspeed=={SUPPORTED_VERSION}" in err
+    check_version(SUPPORTED_VERSION)
+    check_version(f"{SUPPORTED_VERSION}+cpu")
+
+
+def test_setup_pins_the_supported_version():
+    assert f"deepspeed=={SUPPORTED_VERSION}" in (ROOT / "setup.cfg").read_text()
+
+
+def test_each_internal_does_what_fathom_relies_on():
+    init_single_process()
+    cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln")  # fmt: skip
+    ds = {
+        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1}, "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},
+    }  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list
+        engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
+    layers = len(layer_specs(cfg))
+    assert engine.module.parts == [0, layers]  # ExternallyPartitioned: fathom's cut, not DeepSpeed's
+    assert stage_range(engine.module) == range(layers)
+    assert [index for _, index, _ in stage_layers(engine.module)] == list(range(layers))
+    assert type(checkpoint_engine(engine)).__name__ == "CommittingCheckpointEngine"
+    assert isinstance(checkpoint_engine(engine), TorchCheckpointEngine)
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    slices = []
+
+    def step(*args, **kwargs):  # between backward and the update, where fathom's guard runs
+        slices.append([zero_gradient_slice(p) for p in params])
+        original(*args, **kwargs)
+
+    original = replace_model_step(engine, step)
+    batch = synthetic_batch(20, batch=2, src_len=5, tgt_len=5)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.train_batch(data_iter=itertools.repeat(batch))
+    assert len(slices) == 1 and any(
+        not torch.equal(a, p) for a, p in zip(before, engine.module.parameters(), strict=True)
+    )
+    assert loss_scale(engine) == 1.0  # fp32
+    assert all(zero_sharded(p) for p in params)
+    assert sum(s.numel() for s in slices[0]) == sum(p.numel() for p in params)  # one rank holds every slice
+    assert all(torch.isfinite(s).all() for s in slices[0]) and any(s.abs().sum() > 0 for s in slices[0])
+    clear_pipe_buffers(engine)
+    assert engine.loss is None

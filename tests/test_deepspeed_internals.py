@@ -45,7 +45,11 @@ def test_setup_pins_the_supported_version():
     assert f"deepspeed=={SUPPORTED_VERSION}" in (ROOT / "setup.cfg").read_text()
 
 
-def test_each_internal_does_what_fathom_relies_on():
+def test_each_internal_does_what_fathom_relies_on(monkeypatch):
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        # init_single_process sets these; left in this process's environment, later tests' subprocesses
+        # (fairseq-train) would take them and try this process group's port
+        monkeypatch.setenv(key, "")
     init_single_process()
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
                       src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln")  # fmt: skip

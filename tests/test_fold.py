@@ -13,6 +13,7 @@ from model.transformer import Transformer
 from pipeline.hooks import ScheduleHook
 
 EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]
+FOLDED = [name for name in EXPORTABLE if SCHEMES[name].plain != name]  # whose scalings export folds away
 
 
 def trained_looking(scheme: str, **kw) -> Transformer:
@@ -68,7 +69,7 @@ def test_folded_model_computes_the_same(scheme, share):
 def test_folding_is_not_the_identity():
     """The schemes' scalings matter: the trained weights read as a plain model compute something else."""
     torch.manual_seed(0)
-    for scheme in ("admin", "deepnorm", "branchnorm"):
+    for scheme in FOLDED:
         model = trained_looking(scheme)
         unfolded = Transformer(dataclasses.replace(model.cfg, norm_scheme="post_ln", schemes={})).eval()
         unfolded.load_state_dict(model.state_dict(), strict=False)

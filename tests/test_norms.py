@@ -166,6 +166,9 @@ def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a:
     if residual == "rezero":  # x + w F(x), no LayerNorm
         h = x + layer.self_attn_residual.weight * attn(x)
         return h + layer.ffn_residual.weight * ffn(h)
+    if residual == "admin":  # LN(x * omega + F(x)), omega a vector per sublayer
+        h = ln1(x * layer.self_attn_residual.omega + attn(x))
+        return ln2(h * layer.ffn_residual.omega + ffn(h))
     if residual == "post_alpha":  # DeepNorm: LN(alpha * x + F(x))
         h = ln1(a * x + attn(x))
         return ln2(a * h + ffn(h))
@@ -196,6 +199,11 @@ def test_encoder_layer_follows_formula(scheme):
             layer.self_attn_residual.weight.fill_(0.3)
             layer.ffn_residual.weight.fill_(-0.7)
         expected = manual_encoder_layer(layer, x, "rezero")
+    elif scheme == "admin":
+        with torch.no_grad():  # as a profiling pass leaves them: away from 1, where Admin is Post-LN
+            layer.self_attn_residual.omega.uniform_(0.5, 2.0)
+            layer.ffn_residual.omega.uniform_(0.5, 2.0)
+        expected = manual_encoder_layer(layer, x, "admin")
     else:
         expected = manual_encoder_layer(layer, x, "post")
     torch.testing.assert_close(layer(x, src), expected, rtol=0, atol=1e-6)

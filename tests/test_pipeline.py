@@ -13,10 +13,11 @@ from model import SCHEMES
 from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
 from model.search import beam_search
-from pipeline.checkpoint import load_reference
+from pipeline.checkpoint import load_reference, model_config
 from pipeline.config import load_config
 from pipeline.data import MicroBatches, eval_batches, with_eos
 from pipeline.hooks import ScheduleHook
+from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.partition import stage_bounds
 from pipeline.train import build_corpus, profile_batch, with_vocab
 from tests.conftest import ROOT, launch
@@ -50,14 +51,7 @@ PARITY_CONFIG = {
 }
 # Every scheme with all embeddings tied across the two stages; the other two sharing modes once.
 CASES = {
-    "post_ln": "model.norm_scheme=post_ln",
-    "pre_ln": "model.norm_scheme=pre_ln",
-    "deepnorm": "model.norm_scheme=deepnorm",
-    "branchnorm": "model.norm_scheme=branchnorm",
-    "rezero": "model.norm_scheme=rezero",
-    "sub_ln": "model.norm_scheme=sub_ln",
-    "admin": "model.norm_scheme=admin",
-    "t_fixup": "model.norm_scheme=t_fixup",
+    **{name: f"model.norm_scheme={name}" for name in SCHEMES},  # the registry's, so a new scheme is covered
     "pre_ln_untied": "model.norm_scheme=pre_ln,model.share_all_embeddings=false",
     "branchnorm_decoder_tied": (
         "model.norm_scheme=branchnorm,model.share_all_embeddings=false,model.share_decoder_input_output_embed=true"
@@ -145,11 +139,17 @@ def test_admin_omegas_from_two_stages_equal_single_process(parity_runs):
 
 
 def test_each_rank_builds_only_its_own_stage(parity_runs):
+    """The stages split the layers, and each rank constructed only its own stage's Transformer layers
+    (LayerSpecs are built lazily): none built the whole model and kept a part."""
     _, out, _ = parity_runs
     ranks = [json.loads((out / "post_ln" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    total = 2 + 2 + 3 + 1  # embeddings, encoder layers, decoder layers, output projection
-    assert ranks[0]["start"] == 0 and ranks[0]["stop"] == ranks[1]["start"] and ranks[1]["stop"] == total
-    assert 0 < ranks[0]["stop"] < total
+    kinds = [spec.typename.__name__ for _, spec in layer_specs(model_config(out / "post_ln"))]
+    assert len(kinds) == 2 + 2 + 3 + 1  # embeddings, encoder layers, decoder layers, output projection
+    assert ranks[0]["start"] == 0 and ranks[0]["stop"] == ranks[1]["start"] and ranks[1]["stop"] == len(kinds)
+    assert 0 < ranks[0]["stop"] < len(kinds)
+    for rank in ranks:
+        own = [kind for kind in kinds[rank["start"] : rank["stop"]] if kind in TRANSFORMER_LAYERS]
+        assert rank["built"] == len(own) > 0, rank
 
 
 def metrics(save_dir):

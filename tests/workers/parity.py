@@ -9,6 +9,9 @@ Usage: parity.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 
 import json
 import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,12 +24,33 @@ from pipeline.data import MicroBatches
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.hooks import ScheduleHook
+from pipeline.layers import DecoderLayerPipe, EncoderLayerPipe
 from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
 from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 DECODED = 12  # validation sentences translated through the stages, in batches of 5
 SEARCH = {"beam": 3, "lenpen": 0.6, "max_len_a": 0.0, "max_len_b": 8}
+
+
+@contextmanager
+def counting_layer_builds() -> Iterator[Counter]:
+    """Counts the Transformer layers built in this process while the block runs: a rank that built
+    every layer and then kept only its stage's would still be caught."""
+    built: Counter = Counter()
+    originals = {cls: cls.__init__ for cls in (EncoderLayerPipe, DecoderLayerPipe)}
+    for cls, init in originals.items():
+
+        def counted(self, *args, _init=init, **kwargs):
+            built[type(self).__name__] += 1
+            _init(self, *args, **kwargs)
+
+        cls.__init__ = counted
+    try:
+        yield built
+    finally:
+        for cls, init in originals.items():
+            cls.__init__ = init
 
 
 def main():
@@ -39,7 +63,8 @@ def main():
         cfg = load_config(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
         corpus = build_corpus(cfg)
         cfg.model = with_vocab(cfg.model, corpus)
-        engine = build_engine(cfg)
+        with counting_layer_builds() as built:
+            engine = build_engine(cfg)
         if dist.get_rank() == 0:
             save_dir.mkdir(parents=True, exist_ok=True)
             (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
@@ -52,7 +77,7 @@ def main():
         loss = engine.train_batch(data_iter=data)
         engine.save_checkpoint(str(save_dir), tag="after")
         held = stage_range(engine.module)
-        layers = {"start": held.start, "stop": held.stop}
+        layers = {"start": held.start, "stop": held.stop, "built": sum(built.values())}
         (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
         ScheduleHook(engine.module)(engine.global_steps)  # as load_reference sets the "after" weights
         valid = build_corpus(cfg, "valid")

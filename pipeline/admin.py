@@ -54,8 +54,9 @@ def profile_pipeline(
 
 
 def reused_profile(cfg: ModelConfig) -> str | None:
-    """model.admin.profile of an Admin model, else None."""
-    return build_scheme(cfg).options.profile if cfg.norm_scheme == "admin" else None
+    """The saved profile a profiled scheme's options name (model.admin.profile), else None."""
+    scheme = build_scheme(cfg)
+    return scheme.options.profile if scheme.profiled else None
 
 
 def check(cfg: ModelConfig) -> None:

@@ -25,12 +25,11 @@ from torch import nn
 from model import Transformer
 from model.config import PAD, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
-from pipeline.config import RunConfig, load_config
+from pipeline.config import RunConfig, resolve_run
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatches, collate
 from pipeline.peers import torchscale_model
 from pipeline.study import nll, with_shuffled_sources
-from pipeline.train import with_vocab
 
 ENCODER_SPREAD_SENTENCES = 64
 
@@ -128,12 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=("fathom", "torchscale"), default=["fathom", "torchscale"])
     args = parser.parse_args(argv)
     with exit_on_config_error():
-        cfg = load_config(args.config, args.override, world_size=None)
+        cfg, _ = resolve_run(args.config, args.override, world_size=None)
         if cfg.data.path is None:
             raise ConfigError("data.path: compare_training needs a prepared data directory")
         if min(args.at) < 1:
             raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")
-        cfg.model = with_vocab(cfg.model, BinarizedCorpus(cfg.data.path, "train"))
         if "torchscale" in args.models:
             torchscale_model(cfg.model, 8)  # its one-line error for a scheme torchscale lacks, before training
     for name in args.models:

@@ -12,14 +12,15 @@ import inspect
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
-from pipeline.data import BatchSize, SyntheticConfig
+from pipeline.corpus import BinarizedCorpus, PreparedData
+from pipeline.data import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
 from pipeline.staging import check_makeable
 
@@ -394,3 +395,36 @@ def load_config(path: str | Path, overrides: list[str] = (), world_size: int | N
     check_deepspeed(ds, model, world_size)
     check_schedule(ds, train)
     return RunConfig(model=model, data=data, train=train, deepspeed=ds)
+
+
+def build_corpus(cfg: RunConfig, split: str = "train") -> ParallelCorpus:
+    if cfg.data.path is None:
+        return SyntheticTranslation(cfg.data.synthetic, split)
+    return BinarizedCorpus(cfg.data.path, split)
+
+
+def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
+    for key, size in (("src_vocab_size", corpus.src_vocab_size), ("tgt_vocab_size", corpus.tgt_vocab_size)):
+        if getattr(cfg, key) not in (None, size):
+            raise ConfigError(f"model.{key}: {getattr(cfg, key)} but the data's dictionary has {size}; remove the key")
+    # One table for both sides needs one dictionary: separate ones of equal size would pass the size
+    # check and give a token id a different word on each side (fairseq refuses this too).
+    if (
+        cfg.share_all_embeddings
+        and isinstance(corpus, PreparedData)
+        and corpus.src_dict.symbols != corpus.tgt_dict.symbols
+    ):
+        raise ConfigError(
+            "model.share_all_embeddings: the data has separate source and target dictionaries (prepared with "
+            "--separate-vocab); prepare it without, or set share_all_embeddings false"
+        )
+    return replace(cfg, src_vocab_size=corpus.src_vocab_size, tgt_vocab_size=corpus.tgt_vocab_size)
+
+
+def resolve_run(path: str | Path, overrides: list[str], world_size: int | None) -> tuple[RunConfig, ParallelCorpus]:
+    """A run's config with the vocabulary sizes its training data gives, and that data: what every
+    entry point that trains, plans or compares starts from."""
+    cfg = load_config(path, overrides, world_size)
+    corpus = build_corpus(cfg)
+    cfg.model = with_vocab(cfg.model, corpus)
+    return cfg, corpus

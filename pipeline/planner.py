@@ -32,11 +32,10 @@ from torch import Tensor, nn
 
 from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
-from pipeline.config import RunConfig, load_config
+from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs, run_layer
 from pipeline.memory import MEMORY_FILE, GiB, MeasuredPeak
 from pipeline.partition import stage_bounds
-from pipeline.train import build_corpus, with_vocab
 
 GB = 10**9
 # A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,

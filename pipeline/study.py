@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from model.config import EOS, PAD, ConfigError, exit_on_config_error, parse_section
 from model.norms import SCHEMES
 from pipeline.checkpoint import CONFIG_FILE, latest_tag, load_reference, write_atomic
-from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
+from pipeline.config import RunConfig, check_no_tilde, load_config, read_json, with_vocab
 from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import collate
 from pipeline.stability import NONFINITE_EXIT
 from pipeline.staging import check_makeable
-from pipeline.train import with_vocab
 from pipeline.translate import check_search_args
 
 ROOT = Path(__file__).resolve().parents[1]

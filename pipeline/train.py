@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import time
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from model.config import ConfigError, ModelConfig, exit_on_config_error
+from model.config import ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline import admin, commit
@@ -33,13 +32,12 @@ from pipeline.checkpoint import (
     write_atomic,
     write_dictionaries,
 )
-from pipeline.config import RunConfig, TrainConfig, load_config
-from pipeline.corpus import META_FILE, BinarizedCorpus, PreparedData
+from pipeline.config import RunConfig, TrainConfig, build_corpus, resolve_run
+from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import (
     MicroBatch,
     MicroBatches,
     ParallelCorpus,
-    SyntheticTranslation,
     check_budget,
     eval_batches,
 )
@@ -72,30 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.save_dir")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
     return parser.parse_args(argv)
-
-
-def build_corpus(cfg: RunConfig, split: str = "train") -> ParallelCorpus:
-    if cfg.data.path is None:
-        return SyntheticTranslation(cfg.data.synthetic, split)
-    return BinarizedCorpus(cfg.data.path, split)
-
-
-def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
-    for key, size in (("src_vocab_size", corpus.src_vocab_size), ("tgt_vocab_size", corpus.tgt_vocab_size)):
-        if getattr(cfg, key) not in (None, size):
-            raise ConfigError(f"model.{key}: {getattr(cfg, key)} but the data's dictionary has {size}; remove the key")
-    # One table for both sides needs one dictionary: separate ones of equal size would pass the size
-    # check and give a token id a different word on each side (fairseq refuses this too).
-    if (
-        cfg.share_all_embeddings
-        and isinstance(corpus, PreparedData)
-        and corpus.src_dict.symbols != corpus.tgt_dict.symbols
-    ):
-        raise ConfigError(
-            "model.share_all_embeddings: the data has separate source and target dictionaries (prepared with "
-            "--separate-vocab); prepare it without, or set share_all_embeddings false"
-        )
-    return dataclasses.replace(cfg, src_vocab_size=corpus.src_vocab_size, tgt_vocab_size=corpus.tgt_vocab_size)
 
 
 def build_pipeline(cfg: RunConfig) -> PipelineModule:
@@ -445,9 +419,7 @@ def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
 def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
     before launching); raises ConfigError."""
-    cfg = load_config(args.config, args.override, world_size=world_size)
-    corpus = build_corpus(cfg)
-    cfg.model = with_vocab(cfg.model, corpus)
+    cfg, corpus = resolve_run(args.config, args.override, world_size)
     admin.check(cfg.model)
     check_fits(corpus, cfg)
     if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:

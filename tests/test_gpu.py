@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from model.transformer import module_names
-from pipeline.config import load_config
+from pipeline.config import resolve_run
 from pipeline.stability import NONFINITE_EXIT
-from pipeline.train import build_corpus, with_vocab
 from tests.conftest import ROOT, launch
 from tests.test_stability import CONFIG, SMALL, WORKER, jsonl, same_state
 
@@ -35,8 +34,8 @@ def train(save, *overrides, resume=False):
 
 
 def where(name, overrides=()):
-    cfg = load_config(CONFIG, [*ONE_GPU, *overrides])
-    return f"stage 0, layer {module_names(with_vocab(cfg.model, build_corpus(cfg))).index(name)} ({name})"
+    cfg, _ = resolve_run(CONFIG, [*ONE_GPU, *overrides], world_size=1)
+    return f"stage 0, layer {module_names(cfg.model).index(name)} ({name})"
 
 
 def test_fp16_overflows_are_skipped_and_the_loss_scale_survives_resume(tmp_path):

@@ -14,12 +14,12 @@ from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from
 from model.loss import label_smoothed_cross_entropy
 from model.search import beam_search
 from pipeline.checkpoint import load_reference, model_config
-from pipeline.config import load_config
+from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.data import MicroBatches, eval_batches, with_eos
 from pipeline.hooks import ScheduleHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.partition import stage_bounds
-from pipeline.train import build_corpus, profile_batch, with_vocab
+from pipeline.train import profile_batch
 from tests.conftest import ROOT, launch
 from tests.workers.parity import SEARCH
 
@@ -238,8 +238,8 @@ def test_bf16_pipeline_trains(tmp_path):
     cost model says; DeepSpeed's shared-memory all-reduce segments do not outlive the run."""
     result = train(tmp_path, 'bf16={"enabled": true}', "train.max_steps=30", "train.log_interval=10")
     assert result.returncode == 0
-    cfg = load_config(ROOT / "ds_configs" / "default.json", world_size=2)
-    bounds = stage_bounds(with_vocab(cfg.model, build_corpus(cfg)), 2)
+    cfg, _ = resolve_run(ROOT / "ds_configs" / "default.json", [], world_size=2)
+    bounds = stage_bounds(cfg.model, 2)
     assert f"stage 0: layers 0-{bounds[1] - 1} " in result.stdout
     assert f"stage 1: layers {bounds[1]}-{bounds[2] - 1} " in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]

@@ -13,12 +13,11 @@ from model.config import ConfigError
 from model.loss import label_smoothed_cross_entropy
 from model.transformer import module_names
 from pipeline.checkpoint import load_reference
-from pipeline.config import load_config
+from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.data import MicroBatches
 from pipeline.layers import layer_specs
 from pipeline.partition import stage_bounds
 from pipeline.stability import GRAD_NORMS_FILE, NONFINITE_EXIT, describe
-from pipeline.train import build_corpus, with_vocab
 from tests.conftest import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"
@@ -70,8 +69,7 @@ def test_bad_divergence_settings_are_one_line_errors(override, message):
 
 
 def model_config(overrides):
-    cfg = load_config(CONFIG, overrides, world_size=2)
-    return with_vocab(cfg.model, build_corpus(cfg))
+    return resolve_run(CONFIG, overrides, world_size=2)[0].model
 
 
 def where(overrides, name):

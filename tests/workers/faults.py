@@ -19,7 +19,7 @@ import torch
 
 from model.transformer import module_names
 from pipeline import train as training
-from pipeline.config import load_config
+from pipeline.config import resolve_run
 from pipeline.deepspeed_internals import stage_layers, stage_range
 from pipeline.world import run_launched
 
@@ -69,9 +69,7 @@ def cases(config_path, out, specs):
         name, _, spec = case.partition("=")
         fault, *overrides = spec.split(",")
         inject(fault)
-        cfg = load_config(config_path, [f"train.save_dir={out / name}", *overrides], world_size=world_size)
-        corpus = training.build_corpus(cfg)
-        cfg.model = training.with_vocab(cfg.model, corpus)
+        cfg, corpus = resolve_run(config_path, [f"train.save_dir={out / name}", *overrides], world_size=world_size)
         training.train(cfg, corpus, resume=False)
 
 

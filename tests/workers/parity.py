@@ -19,13 +19,13 @@ import torch.distributed as dist
 from model.norms import build_scheme
 from pipeline import admin
 from pipeline.checkpoint import CONFIG_FILE
-from pipeline.config import ValidBleu, load_config
+from pipeline.config import ValidBleu, build_corpus, resolve_run
 from pipeline.data import MicroBatches
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.hooks import ScheduleHook
 from pipeline.layers import DecoderLayerPipe, EncoderLayerPipe
-from pipeline.train import build_corpus, build_engine, init_distributed, profile_batch, with_vocab
+from pipeline.train import build_engine, init_distributed, profile_batch
 from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
@@ -60,9 +60,7 @@ def main():
     for case in args[2:]:
         name, _, overrides = case.partition("=")
         save_dir = out / name
-        cfg = load_config(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
-        corpus = build_corpus(cfg)
-        cfg.model = with_vocab(cfg.model, corpus)
+        cfg, corpus = resolve_run(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
         with counting_layer_builds() as built:
             engine = build_engine(cfg)
         if dist.get_rank() == 0:

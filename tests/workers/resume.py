@@ -7,8 +7,8 @@ Usage: resume.py CONFIG OUT_DIR STEPS CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.train import build_corpus, train, with_vocab
+from pipeline.config import resolve_run
+from pipeline.train import train
 from pipeline.world import run_launched
 
 
@@ -18,13 +18,11 @@ def main():
     for case in args[3:]:
         name, _, overrides = case.partition("=")
         for run, max_steps, resume in (("full", steps, False), ("cut", steps // 2, False), ("cut", steps, True)):
-            cfg = load_config(
+            cfg, corpus = resolve_run(
                 config_path,
                 [f"train.save_dir={out / name / run}", f"train.max_steps={max_steps}", *overrides.split(",")],
                 world_size=2,
             )
-            corpus = build_corpus(cfg)
-            cfg.model = with_vocab(cfg.model, corpus)
             train(cfg, corpus, resume)
 
 

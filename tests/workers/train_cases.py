@@ -6,8 +6,8 @@ Usage: train_cases.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from pipeline.config import load_config
-from pipeline.train import build_corpus, train, with_vocab
+from pipeline.config import resolve_run
+from pipeline.train import train
 from pipeline.world import run_launched
 
 
@@ -16,9 +16,7 @@ def main():
     config_path, out = args[0], Path(args[1])
     for case in args[2:]:
         name, _, overrides = case.partition("=")
-        cfg = load_config(config_path, [f"train.save_dir={out / name}", *overrides.split(",")], world_size=2)
-        corpus = build_corpus(cfg)
-        cfg.model = with_vocab(cfg.model, corpus)
+        cfg, corpus = resolve_run(config_path, [f"train.save_dir={out / name}", *overrides.split(",")], world_size=2)
         train(cfg, corpus, resume=False)
 
 

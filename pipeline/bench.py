@@ -40,10 +40,11 @@ from model.transformer import Transformer
 from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
 from pipeline.deepspeed_internals import clear_pipe_buffers
+from pipeline.distributed import release_shm_buffer
 from pipeline.layers import Modules, layer_specs, run_layer
 from pipeline.partition import stage_bounds
 from pipeline.peers import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
-from pipeline.train import build_engine, release_shm_buffer
+from pipeline.train import build_engine
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("torchscale", "deepspeed")  # what our plain loop ("fathom") can be compared with
@@ -178,7 +179,7 @@ def free_port() -> int:
 
 def init_single_process() -> None:
     """torch.distributed for this one process (world size 1, gloo), which the engine needs. Not
-    pipeline.train.init_distributed: that one sets torch's thread count for launched ranks, and here
+    pipeline.distributed.init_distributed: that one sets torch's thread count for launched ranks, and here
     every system must run with the same threads."""
     if dist.is_initialized():
         return

@@ -24,7 +24,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.launcher import runner
 
 from model.config import ConfigError, exit_on_config_error
-from pipeline.train import check_run
+from pipeline.preflight import check_run
 from pipeline.train import parse_args as parse_train_args
 
 # The runner's own pattern is r'^(\S+)\s+slots=(\d+)', which reads "slots=4x" as 4; trailing fields

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError
+from pipeline.checkpoint import write_atomic
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -36,3 +37,21 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def write_record(path: Path, record: dict[str, Any]) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """<save_dir>/metrics.jsonl, one JSON line per global step, written by global rank 0 only."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int):
+        self.path, self.enabled = path, enabled
+        if enabled and path.exists():
+            # Steps after the checkpoint we resume from will be trained again: drop their old lines.
+            kept = [record for record in read_jsonl(path) if record.get("step", 0) <= resume_step]
+            write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            write_record(self.path, record)

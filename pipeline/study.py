@@ -32,6 +32,7 @@ from pipeline.checkpoint import CONFIG_FILE, latest_tag, load_reference, write_a
 from pipeline.config import RunConfig, check_no_tilde, load_config, read_json, with_vocab
 from pipeline.corpus import META_FILE, BinarizedCorpus
 from pipeline.data import collate
+from pipeline.logs import METRICS_FILE, read_jsonl
 from pipeline.stability import NONFINITE_EXIT
 from pipeline.staging import check_makeable
 from pipeline.translate import check_search_args
@@ -285,9 +286,6 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: 
 
 
 def cell_records(directory: Path) -> list[dict[str, Any]]:
-    from pipeline.logs import read_jsonl
-    from pipeline.train import METRICS_FILE
-
     path = directory / METRICS_FILE
     return read_jsonl(path) if path.exists() else []
 

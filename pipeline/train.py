@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -19,44 +18,42 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from model.config import ConfigError, exit_on_config_error
+from model.config import exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from pipeline import admin, commit
 from pipeline.checkpoint import (
     CONFIG_FILE,
-    check_init_from,
     checkpoint_dir,
     latest_tag,
     schedule_step,
     write_atomic,
     write_dictionaries,
 )
-from pipeline.config import RunConfig, TrainConfig, build_corpus, resolve_run
-from pipeline.corpus import META_FILE, BinarizedCorpus
+from pipeline.config import RunConfig, build_corpus
+from pipeline.corpus import BinarizedCorpus
 from pipeline.data import (
     MicroBatch,
     MicroBatches,
     ParallelCorpus,
-    check_budget,
     eval_batches,
 )
 from pipeline.decode import bleu_set, valid_bleu
 from pipeline.deepspeed_internals import checkpoint_engine
-from pipeline.heap import heap_for_decoding, return_freed_tensors
+from pipeline.distributed import init_distributed
+from pipeline.heap import heap_for_decoding
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
-from pipeline.logs import read_jsonl, write_record
+from pipeline.logs import METRICS_FILE, MetricsLog
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
-from pipeline.rundir import RunDirectory, check_not_in_use
+from pipeline.preflight import check_run
+from pipeline.rundir import RunDirectory
 from pipeline.stability import GRAD_NORMS_FILE, NonFiniteError, StabilityGuard, exit_on_nonfinite
-from pipeline.staging import check_makeable
 from pipeline.stopping import stop_on_signals
-from pipeline.watchdog import Watchdog, backend_timeout
-from pipeline.world import check_mpi_discovery, cpu_threads, launched_world, master_port
+from pipeline.watchdog import Watchdog
+from pipeline.world import check_mpi_discovery, launched_world
 
-METRICS_FILE = "metrics.jsonl"
 SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
 TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 
@@ -135,58 +132,8 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 4099 + rank
 
 
-class MetricsLog:
-    """<save_dir>/metrics.jsonl, one JSON line per global step, written by global rank 0 only."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int):
-        self.path, self.enabled = path, enabled
-        if enabled and path.exists():
-            # Steps after the checkpoint we resume from will be trained again: drop their old lines.
-            kept = [record for record in read_jsonl(path) if record.get("step", 0) <= resume_step]
-            write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            write_record(self.path, record)
-
-
 def _float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
-    """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing."""
-    try:
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-            distributed_port=master_port(),
-            timeout=backend_timeout(hang_timeout),
-        )
-    except dist.DistNetworkError as err:  # raised on rank 0, which listens on the port
-        if "EADDRINUSE" not in str(err):
-            raise
-        raise ConfigError(
-            f"port {master_port()} is in use on this machine (another run?); pass the launcher --master_port N"
-        ) from None
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cpu_threads())
-        release_shm_buffer()
-        return_freed_tensors()
-
-
-def shm_buffer() -> Path:
-    """The /dev/shm segment DeepSpeed's CPU all-reduce creates for this rank (ops/csrc/cpu/comm/shm.cpp)
-    when all ranks are on one machine."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
-
-
-def release_shm_buffer() -> None:
-    """DeepSpeed never removes its 66 MB per-rank segment, so every CPU run would keep that much RAM
-    per rank until reboot. Each rank maps every peer's segment inside init_distributed, so after a
-    barrier the names can go: the mappings stay valid until the processes exit, however they exit."""
-    dist.barrier()
-    shm_buffer().unlink(missing_ok=True)
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: int) -> dict[str, Any]:
@@ -403,44 +350,6 @@ def run(
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
             commit.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
-
-
-def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
-    """Every training pair fits a micro-batch's token budget and the model's positions."""
-    lengths = corpus.lengths()
-    check_budget(lengths, cfg.batch_size)
-    if lengths.max() > cfg.model.max_positions:
-        raise ConfigError(
-            f"model.max_positions: {cfg.model.max_positions} is below the longest training pair ({lengths.max()} "
-            "tokens); raise it, or prepare the data with a smaller --max-len"
-        )
-
-
-def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
-    """Everything a run is checked for before any process group exists (scripts/launch.py runs it
-    before launching); raises ConfigError."""
-    cfg, corpus = resolve_run(args.config, args.override, world_size)
-    admin.check(cfg.model)
-    check_fits(corpus, cfg)
-    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:
-        raise ConfigError(
-            "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
-        )
-    save_dir = Path(cfg.train.save_dir)
-    check_makeable(save_dir, "train.save_dir")
-    if (save_dir / META_FILE).exists():
-        raise ConfigError(f"train.save_dir: {save_dir} is a prepared data directory; choose another for checkpoints")
-    check_not_in_use(save_dir)
-    if cfg.train.init_from:
-        check_init_from(cfg.train.init_from, cfg.model)
-    if not args.resume and latest_tag(save_dir) is not None:
-        raise ConfigError(
-            f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
-            "or choose another save_dir"
-        )
-    if args.resume:
-        commit.check_resume(save_dir, cfg, corpus, world_size)
-    return cfg, corpus
 
 
 def main(argv: list[str] | None = None) -> None:

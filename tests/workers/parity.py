@@ -23,9 +23,10 @@ from pipeline.config import ValidBleu, build_corpus, resolve_run
 from pipeline.data import MicroBatches
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
+from pipeline.distributed import init_distributed
 from pipeline.hooks import ScheduleHook
 from pipeline.layers import DecoderLayerPipe, EncoderLayerPipe
-from pipeline.train import build_engine, init_distributed, profile_batch
+from pipeline.train import build_engine, profile_batch
 from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4

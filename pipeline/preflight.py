@@ -1,0 +1,54 @@
+"""Everything a run is checked for before any process group exists: scripts/train.py runs it on every
+rank, and scripts/launch.py before it launches anything. Each failure is a ConfigError, one line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from model.config import ConfigError
+from pipeline import admin, commit
+from pipeline.checkpoint import check_init_from, latest_tag
+from pipeline.config import RunConfig, build_corpus, resolve_run
+from pipeline.corpus import META_FILE
+from pipeline.data import ParallelCorpus, check_budget
+from pipeline.rundir import check_not_in_use
+from pipeline.staging import check_makeable
+
+
+def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
+    """Every training pair fits a micro-batch's token budget and the model's positions."""
+    lengths = corpus.lengths()
+    check_budget(lengths, cfg.batch_size)
+    if lengths.max() > cfg.model.max_positions:
+        raise ConfigError(
+            f"model.max_positions: {cfg.model.max_positions} is below the longest training pair ({lengths.max()} "
+            "tokens); raise it, or prepare the data with a smaller --max-len"
+        )
+
+
+def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
+    """Everything a run is checked for before any process group exists (scripts/launch.py runs it
+    before launching); raises ConfigError."""
+    cfg, corpus = resolve_run(args.config, args.override, world_size)
+    admin.check(cfg.model)
+    check_fits(corpus, cfg)
+    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:
+        raise ConfigError(
+            "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
+        )
+    save_dir = Path(cfg.train.save_dir)
+    check_makeable(save_dir, "train.save_dir")
+    if (save_dir / META_FILE).exists():
+        raise ConfigError(f"train.save_dir: {save_dir} is a prepared data directory; choose another for checkpoints")
+    check_not_in_use(save_dir)
+    if cfg.train.init_from:
+        check_init_from(cfg.train.init_from, cfg.model)
+    if not args.resume and latest_tag(save_dir) is not None:
+        raise ConfigError(
+            f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
+            "or choose another save_dir"
+        )
+    if args.resume:
+        commit.check_resume(save_dir, cfg, corpus, world_size)
+    return cfg, corpus

@@ -44,7 +44,7 @@ from pipeline.checkpoint import (
     CONFIG_FILE,
     LATEST,
     MODEL_STATES,
-    damage,
+    file_damage,
     fsync_dir,
     global_step,
     latest_tag,
@@ -189,7 +189,7 @@ def check_layer_files(cfg: ModelConfig, checkpoints: list[Path]) -> list[str]:
             )
         saved = (read_manifest(checkpoint) or {}).get("files", {})
         for name in names:
-            if name in saved and (problem := damage(checkpoint / name, saved[name], read=False)):
+            if name in saved and (problem := file_damage(checkpoint / name, saved[name], read=False)):
                 raise ConfigError(f"{problem.split(';')[0]}; restore the file, or average other checkpoints")
     return names
 

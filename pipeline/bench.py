@@ -41,9 +41,9 @@ from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
 from pipeline.deepspeed_internals import clear_pipe_buffers
 from pipeline.distributed import release_shm_buffer
-from pipeline.layers import Modules, layer_specs, run_layer
+from pipeline.layers import SpecBuilder, layer_specs, run_layer
 from pipeline.partition import stage_bounds
-from pipeline.peers import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
+from pipeline.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 from pipeline.train import build_engine
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -315,7 +315,7 @@ class StageTime:
 def stage_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
     """Every pipeline spec built once in this process (tied specs share their module), with the
     callable the engine runs."""
-    build, layers = Modules(training=True), []
+    build, layers = SpecBuilder(training=True), []
     for _, spec in layer_specs(cfg):
         module = build(spec)
         layers.append((module, partial(run_layer, spec, module)))

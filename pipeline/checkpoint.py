@@ -150,7 +150,7 @@ def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
+def file_damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
     """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
     against the zip archive's CRC-32s (torch's format), which reads the whole file."""
     if not path.exists():
@@ -212,7 +212,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] =
     path = Path(path)
     manifest = read_manifest(path.parent) if verify else None
     if manifest is not None and path.name in manifest["files"]:
-        if problem := damage(path, manifest["files"][path.name], read=True):
+        if problem := file_damage(path, manifest["files"][path.name], read=True):
             raise ConfigError(problem)
     try:
         with torch.serialization.safe_globals(list(allowed)):

@@ -35,8 +35,8 @@ from pipeline.checkpoint import (
     MANIFEST,
     check_same_model,
     check_vocab,
-    damage,
     deepspeed_state_types,
+    file_damage,
     fsync_dir,
     latest_tag,
     load_file,
@@ -171,7 +171,7 @@ def verify(save_dir: str | Path, world_size: int) -> None:
         return
     checkpoint, manifest = committed
     for name, entry in sorted(manifest["files"].items()):
-        if problem := damage(checkpoint / name, entry, read=False):
+        if problem := file_damage(checkpoint / name, entry, read=False):
             raise ConfigError(problem)
     if manifest["world_size"] != world_size:
         raise ConfigError(
@@ -191,7 +191,7 @@ def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
         checkpoint, manifest = committed
         files = sorted((n, e) for n, e in manifest["files"].items() if not weights_only or n.startswith("layer_"))
         mine = files[dist.get_rank() :: dist.get_world_size()]
-        problem = next((p for name, entry in mine if (p := damage(checkpoint / name, entry, read=True))), None)
+        problem = next((p for name, entry in mine if (p := file_damage(checkpoint / name, entry, read=True))), None)
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)

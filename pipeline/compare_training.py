@@ -7,7 +7,7 @@ of the encoder's output across tokens (near 0: every token encodes alike).
     python scripts/compare_training.py --config ds_configs/study_multi30k_base.json \\
         --override model.norm_scheme=deepnorm model.deepnorm.init=torchscale --at 50 150 300
 
-The config's scheme must be one torchscale has (pipeline/peers.py). Models start from their own
+The config's scheme must be one torchscale has (pipeline/torchscale_peer.py). Models start from their own
 seeded draws, so compare trends, not digits.
 """
 
@@ -28,8 +28,8 @@ from model.loss import label_smoothed_cross_entropy
 from pipeline.config import RunConfig, resolve_run
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import MicroBatches, collate
-from pipeline.peers import torchscale_model
 from pipeline.study import nll, with_shuffled_sources
+from pipeline.torchscale_peer import torchscale_model
 
 ENCODER_SPREAD_SENTENCES = 64
 

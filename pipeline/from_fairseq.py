@@ -21,7 +21,7 @@ import torch
 from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file, save_file
 from pipeline.layers import layer_specs
-from pipeline.staging import check_out, staged
+from pipeline.staging import check_output_dir, staged
 from pipeline.to_fairseq import fairseq_key
 
 TAG = "fairseq"
@@ -138,7 +138,7 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
 
 def convert(args: argparse.Namespace) -> ModelConfig:
     source, out = Path(args.checkpoint), Path(args.out)
-    check_out(out, args.force, SUMMARY, [source])
+    check_output_dir(out, args.force, SUMMARY, [source])
     fairseq_args, state = read_checkpoint(source)
     cfg = model_config_from(fairseq_args, state, source)
     with staged(out) as staging:

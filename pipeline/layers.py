@@ -78,7 +78,7 @@ class OutputProjectionPipe(Embedding):
 TRANSFORMER_LAYERS = ["EncoderLayerPipe", "DecoderLayerPipe"]
 
 
-class Modules:
+class SpecBuilder:
     """Builds the module of each spec in turn, outside the engine; tied specs reuse the module of
     their first use, as DeepSpeed does."""
 

@@ -271,7 +271,7 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * units[(match[2] or "GB").lower()])
 
 
-def with_data(cfg: RunConfig, length: int | None) -> int:
+def fill_vocab_and_length(cfg: RunConfig, length: int | None) -> int:
     """Fills the vocabulary sizes the config leaves out from the data's dictionaries, and returns
     `length`, else the data's longest pair (with eos); reads the data only if one of them is missing."""
     vocab_missing = cfg.model.src_vocab_size is None or cfg.model.tgt_vocab_size is None
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, flag) is not None and getattr(args, flag) < 1:
                 raise ConfigError(f"--{flag.replace('_', '-')}: must be at least 1")
         memory = parse_size(args.gpu_memory) if args.gpu_memory else None
-        shape = micro_batch_shape(cfg, args.sentences, with_data(cfg, args.length))
+        shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
         estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
         print(report(cfg, estimates, shape, args.data_parallel))

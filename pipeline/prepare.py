@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from model.config import ConfigError, exit_on_config_error
 from pipeline.corpus import META_FILE, Dictionary, file_record, write_indexed
-from pipeline.staging import check_out, staged
+from pipeline.staging import check_output_dir, staged
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,7 +144,7 @@ def check_held_out(splits: list[Split], prefixes: dict[str, str]) -> None:
 
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    check_out(out, args.force, META_FILE, [args.train, args.valid, *args.test])
+    check_output_dir(out, args.force, META_FILE, [args.train, args.valid, *args.test])
     if args.src == args.tgt:
         raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
     if args.vocab_size < 8:

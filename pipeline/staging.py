@@ -72,7 +72,7 @@ def is_run(folder: Path) -> bool:
     return (folder / CONFIG_FILE).exists() and (folder / LATEST).exists()
 
 
-def check_out(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:
+def check_output_dir(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:
     """An output directory that is new, empty, or, with --force, an earlier output of the same script:
     one holding `marker`, the file that script writes. --force never deletes anything else (a training
     run, the data, the current directory), nor a directory holding one of the `inputs`."""

@@ -47,8 +47,8 @@ from pipeline.checkpoint import (
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import collate
 from pipeline.hooks import ScheduleHook
-from pipeline.layers import Modules, layer_specs, run_layer
-from pipeline.staging import check_out, staged
+from pipeline.layers import SpecBuilder, layer_specs, run_layer
+from pipeline.staging import check_output_dir, staged
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"
@@ -206,7 +206,7 @@ class Export:
 
     def folded_layers(self, trained: SpecRunner) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
         """((plain name, plain spec), folded plain module) in spec order; `trained` runs the trained layers."""
-        modules, plain_modules = Modules(), Modules()
+        modules, plain_modules = SpecBuilder(), SpecBuilder()
 
         def pairs():
             specs = zip(layer_specs(self.cfg), layer_specs(self.plain), strict=True)
@@ -280,7 +280,7 @@ class Export:
 
 def convert(args: argparse.Namespace) -> dict[str, object]:
     out = Path(args.out)
-    check_out(out, args.force, SUMMARY, [args.checkpoint, args.data])
+    check_output_dir(out, args.force, SUMMARY, [args.checkpoint, args.data])
     export = Export.open(args.checkpoint, args.tag)
     with staged(out) as staging:
         return export.write(staging, Path(args.data), out, args.splits)

@@ -12,7 +12,7 @@ import torch
 
 from model.config import ConfigError
 from pipeline import commit
-from pipeline.checkpoint import damage, deepspeed_state_types, load_file, read_manifest
+from pipeline.checkpoint import deepspeed_state_types, file_damage, load_file, read_manifest
 from pipeline.corpus import BinarizedCorpus
 from pipeline.generate import main as generate_main
 from pipeline.logs import read_jsonl
@@ -71,7 +71,7 @@ def test_checkpoints_are_committed_whole(trained):
         on_disk = {p.name for p in (trained / tag).iterdir()} - {commit.MANIFEST}
         assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)
         for name, entry in manifest["files"].items():
-            assert entry["zip"] and damage(trained / tag / name, entry, read=True) is None
+            assert entry["zip"] and file_damage(trained / tag / name, entry, read=True) is None
 
 
 @pytest.mark.parametrize(

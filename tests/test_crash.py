@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import commit
-from pipeline.checkpoint import damage, read_manifest
+from pipeline.checkpoint import file_damage, read_manifest
 from tests.conftest import ROOT, assert_same_training, free_port, launch
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def assert_latest_whole(save_dir: Path) -> None:
     checkpoint, manifest = committed
     assert manifest["step"] == int(checkpoint.name.removeprefix("global_step"))
     for name, entry in manifest["files"].items():
-        assert damage(checkpoint / name, entry, read=True) is None
+        assert file_damage(checkpoint / name, entry, read=True) is None
 
 
 def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:

@@ -14,11 +14,11 @@ from pipeline.planner import (
     GiB,
     MicroBatchShape,
     estimate_stages,
+    fill_vocab_and_length,
     micro_batch_shape,
     parse_size,
     smallest_stage_count,
     trace_layers,
-    with_data,
 )
 from tests.conftest import ROOT, launch
 
@@ -148,7 +148,7 @@ def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     assert result.returncode == 0
     measured = json.loads((tmp_path / MEMORY_FILE).read_text())
     cfg = load_config(ROOT / "ds_configs" / "default.json", overrides, world_size=None)
-    shape = micro_batch_shape(cfg, None, with_data(cfg, None))
+    shape = micro_batch_shape(cfg, None, fill_vocab_and_length(cfg, None))
     estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device="cpu")
     for rank in measured:
         predicted = estimates[rank["stage"]].peak

@@ -8,7 +8,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from pipeline.compare_training import main as compare_main
-from pipeline.peers import torchscale_model
+from pipeline.torchscale_peer import torchscale_model
 from tests.conftest import ROOT
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16

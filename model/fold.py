@@ -28,7 +28,8 @@ from model.config import ConfigError
 from model.embedding import Embedding, sinusoidal_table
 from model.layers import TransformerLayer
 from model.norms import build_scheme
-from model.transformer import Transformer, module_names
+from model.parts import module_names
+from model.transformer import Transformer
 
 # residual module: (projections reading the residual stream, the branch's last projection, LayerNorm after)
 SUBLAYERS = {

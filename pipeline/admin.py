@@ -26,14 +26,14 @@ from model.admin import (
 )
 from model.config import ModelConfig
 from model.norms import AdminResidual, build_scheme
+from model.parts import saved_names
 from pipeline.data import MicroBatch
-from pipeline.layers import layer_specs
 
 
 def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResidual]:
     """This stage's residual modules under their single-process names (the pipeline names a layer
     by its index in the spec list: '5.ffn_residual' is encoder.layers.4.ffn_residual)."""
-    names = [name for name, _ in layer_specs(cfg)]
+    names = saved_names(cfg)
     residuals = {}
     for local, m in module.named_modules():
         if isinstance(m, AdminResidual):

@@ -41,6 +41,7 @@ import torch
 
 from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import (
+    BEST,
     CONFIG_FILE,
     LATEST,
     MODEL_STATES,
@@ -55,10 +56,9 @@ from pipeline.checkpoint import (
     plain_name,
     read_manifest,
     save_file,
+    saved_layers,
     schedule_step,
 )
-from pipeline.commit import BEST
-from pipeline.layers import layer_specs
 from pipeline.staging import staged
 
 SUMMARY = "fathom_average.json"
@@ -174,7 +174,7 @@ def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool
 
 def layer_names(cfg: ModelConfig) -> list[str]:
     """The layer files a checkpoint of this model has, in spec order."""
-    return [layer_file(Path(), index).name for index, (name, _) in enumerate(layer_specs(cfg)) if name is not None]
+    return [layer_file(Path(), index).name for index, _ in saved_layers(cfg)]
 
 
 def check_layer_files(cfg: ModelConfig, checkpoints: list[Path]) -> list[str]:

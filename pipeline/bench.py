@@ -36,12 +36,12 @@ from torch import nn
 from model.config import NUM_SPECIAL, ConfigError, ModelConfig
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
+from model.parts import build_parts, model_parts
 from model.transformer import Transformer
 from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
 from pipeline.data import MicroBatch, collate
 from pipeline.deepspeed_internals import clear_pipe_buffers
 from pipeline.distributed import release_shm_buffer
-from pipeline.layers import SpecBuilder, layer_specs, run_layer
 from pipeline.partition import stage_bounds
 from pipeline.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 from pipeline.train import build_engine
@@ -313,13 +313,11 @@ class StageTime:
 
 
 def stage_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
-    """Every pipeline spec built once in this process (tied specs share their module), with the
-    callable the engine runs."""
-    build, layers = SpecBuilder(training=True), []
-    for _, spec in layer_specs(cfg):
-        module = build(spec)
-        layers.append((module, partial(run_layer, spec, module)))
-    return layers
+    """Every part built once in this process in its pipeline form (tied parts share their module),
+    with the callable the engine runs."""
+    parts = model_parts(cfg)
+    modules = build_parts(parts, flat=True)
+    return [(module, partial(part.run, module)) for part, module in zip(parts, modules, strict=True)]
 
 
 def stage_times(cfg: ModelConfig, stages: int, batch: MicroBatch, warmup: int, steps: int) -> list[StageTime]:

@@ -1,7 +1,7 @@
 """Reading DeepSpeed pipeline checkpoints back into the single-process Transformer.
 
 A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in
-the spec list (layer_07-..., layer_123-...; tied re-uses have none); model.transformer.saved_names
+the spec list (layer_07-..., layer_123-...; tied re-uses have none); model.parts.saved_names
 says which module of the reference model each file belongs to. Reading weights needs no DeepSpeed
 (translation and export run without it); only DeepSpeed's own state files name its classes.
 """
@@ -19,12 +19,14 @@ from typing import Any, BinaryIO
 import torch
 
 from model.config import ConfigError, ModelConfig
-from model.transformer import Transformer, saved_names
+from model.parts import saved_names
+from model.transformer import Transformer
 from pipeline.corpus import PreparedData
 from pipeline.hooks import ScheduleHook
 
 CONFIG_FILE = "config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
+BEST = "best"  # the link to the checkpoint that scored best on validation (pipeline/commit.py)
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
 MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/commit.py)
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other

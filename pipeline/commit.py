@@ -30,6 +30,7 @@ from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from model.config import ConfigError
 from pipeline.checkpoint import (
+    BEST,
     CONFIG_FILE,
     LATEST,
     MANIFEST,
@@ -50,8 +51,6 @@ from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
 from pipeline.world import end_distributed
-
-BEST = "best"
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):

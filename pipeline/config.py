@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
+from model.parts import model_parts
 from pipeline.corpus import BinarizedCorpus, PreparedData
 from pipeline.data import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
@@ -363,9 +364,7 @@ def check_partition(partition: Any, cfg: ModelConfig) -> None:
         pattern = re.compile(partition[len("type:") :], re.IGNORECASE)
     except re.error as err:
         raise ConfigError(f"pipeline.partition: {partition!r} is not a regular expression ({err})") from None
-    from pipeline.layers import layer_specs  # DeepSpeed's LayerSpecs: imported where needed
-
-    names = {spec.typename.__name__ for _, spec in layer_specs(cfg)}
+    names = {part.flat.__name__ for part in model_parts(cfg)}
     if not any(pattern.search(name) for name in names):
         raise ConfigError(
             f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"

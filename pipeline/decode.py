@@ -25,35 +25,30 @@ import deepspeed
 import sentencepiece as spm
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import PipelineModule, TiedLayerSpec
+from deepspeed.pipe import PipelineModule
 from sacrebleu.metrics import BLEU
 from torch import nn
 
 from model.cache import DecoderCache
 from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer
+from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
-from model.transformer import module_names
 from pipeline.checkpoint import write_atomic
 from pipeline.config import ValidBleu
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import ParallelCorpus, length_batches, with_eos
-from pipeline.layers import layer_specs
 from pipeline.prepare import read_lines
 
-Part = tuple[str, nn.Module]
 
-
-def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[Part]:
+def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:
     """(reference module name, module) of each layer of this rank's stage, in order; a tied table under
     the name of each of its uses."""
-    specs, names = layer_specs(cfg), module_names(cfg)
     start, stop = pipe.parts[pipe.stage_id], pipe.parts[pipe.stage_id + 1]
     parts = []
-    for index in range(start, stop):
-        spec = specs[index][1]
-        module = pipe.tied_modules[spec.key] if isinstance(spec, TiedLayerSpec) else pipe.get_submodule(str(index))
-        parts.append((names[index], module))
+    for index, part in enumerate(model_parts(cfg)[start:stop], start):
+        module = pipe.tied_modules[part.tie] if part.tie is not None else pipe.get_submodule(str(index))
+        parts.append((part.name, module))
     return parts
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from model.config import ConfigError, ModelConfig, exit_on_config_error
+from model.parts import model_parts
 from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file, save_file
-from pipeline.layers import layer_specs
 from pipeline.staging import check_output_dir, staged
 from pipeline.to_fairseq import fairseq_key
 
@@ -115,10 +115,10 @@ def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path
 def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: Path, source: Path) -> None:
     """One file per pipeline layer, as DeepSpeed's save_checkpoint names them; every weight must fit."""
     used = set()
-    for index, (name, spec) in enumerate(layer_specs(cfg)):
-        if name is None:  # a tied re-use: saved with its first use
+    for index, part in enumerate(model_parts(cfg)):
+        if not part.saved:  # a tied re-use: saved with its first use
             continue
-        module = spec.build()
+        name, module = part.name, part.build()
         ours = {key: state.get(fairseq_key(name, key)) for key in module.state_dict()}
         if missing := [fairseq_key(name, key) for key, value in ours.items() if value is None]:
             raise ConfigError(

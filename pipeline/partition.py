@@ -14,15 +14,8 @@ from __future__ import annotations
 import itertools
 
 from model.config import ModelConfig
+from model.parts import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, model_parts
 from pipeline.deepspeed_internals import ExternallyPartitioned
-from pipeline.layers import (
-    TRANSFORMER_LAYERS,
-    DecoderLayerPipe,
-    EncoderLayerPipe,
-    OutputProjectionPipe,
-    layer_specs,
-    project_output,
-)
 
 # Attention scores cost ~2 L d multiply-adds per token and attention; L is not known when the stages
 # are cut, so a typical sentence length stands in.
@@ -42,12 +35,12 @@ def layer_costs(cfg: ModelConfig) -> list[int]:
     attention = 4 * d * d + 2 * NOMINAL_LENGTH * d
     ffn = 2 * d * f
     costs = []
-    for _, spec in layer_specs(cfg):
-        if spec.typename is EncoderLayerPipe:
+    for part in model_parts(cfg):
+        if part.flat is EncoderLayerPipe:
             costs.append(attention + ffn)
-        elif spec.typename is DecoderLayerPipe:
+        elif part.flat is DecoderLayerPipe:
             costs.append(2 * attention + ffn)
-        elif spec.typename is OutputProjectionPipe or getattr(spec, "forward_fn", None) is project_output:
+        elif part.name == "decoder.output_projection":
             costs.append(cfg.tgt_vocab_size * (d + LOSS_COST_PER_LOGIT))
         else:
             costs.append(0)
@@ -92,7 +85,7 @@ def cut_stages(cfg: ModelConfig, stages: int) -> tuple[list[int], list[int]]:
     Transformer layer: a stage of only the output layer idles through most of the step (and its
     tied-embedding-only processes crashed at exit in DeepSpeed 0.19)."""
     costs = layer_costs(cfg)
-    layers = [spec.typename.__name__ in TRANSFORMER_LAYERS for _, spec in layer_specs(cfg)]
+    layers = [part.flat.__name__ in TRANSFORMER_LAYERS for part in model_parts(cfg)]
     bounds = balanced_bounds(costs, stages, layers)
     return bounds, [sum(costs[start:stop]) for start, stop in itertools.pairwise(bounds)]
 

@@ -27,13 +27,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import Tensor, nn
 
 from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
+from model.parts import TRANSFORMER_LAYERS, Part, model_parts
 from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
-from pipeline.layers import TRANSFORMER_LAYERS, layer_specs, run_layer
 from pipeline.memory import MEMORY_FILE, GiB, MeasuredPeak
 from pipeline.partition import stage_bounds
 
@@ -136,11 +135,11 @@ def _saved_bytes(run: Callable[[], object], skip: set[int]) -> tuple[object, int
     return output, sum(saved.values())
 
 
-def _module_key(spec: LayerSpec) -> str:
-    """Specs with one key build equal modules (tied ones: the same module)."""
-    if isinstance(spec, TiedLayerSpec):
-        return f"tied:{spec.key}"
-    return repr((spec.typename, spec.module_args, spec.module_kwargs))
+def _module_key(part: Part) -> str:
+    """Parts with one key build equal modules (tied ones: the same module)."""
+    if part.tie is not None:
+        return f"tied:{part.tie}"
+    return repr((part.flat, part.args, part.flat_kwargs))
 
 
 def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
@@ -154,25 +153,25 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
     modules: dict[str, nn.Module] = {}
     done: dict[str, tuple[LayerTrace, object]] = {}
     traces = []
-    for _, spec in layer_specs(cfg.model):
-        module_key = _module_key(spec)
-        key = f"{module_key}/{getattr(spec, 'forward_fn', None)}"
+    for part in model_parts(cfg.model):
+        module_key = _module_key(part)
+        key = f"{module_key}/{part.tied_forward}"
         if key not in done:
             if module_key not in modules:
-                modules[module_key] = spec.build().to(dtype).train()
+                modules[module_key] = part.build(flat=True).to(dtype).train()
             module = modules[module_key]
             # every decoder layer reads the same encoder_out: the stage holds it once
             riding = value[1:] if isinstance(value, tuple) else ()
             skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
-            output, saved = _saved_bytes(partial(run_layer, spec, module, value), skip)
+            output, saved = _saved_bytes(partial(part.run, module, value), skip)
             floats = _float_bytes(output if isinstance(output, tuple) else (output,))
             trace = LayerTrace(
-                tied_key=spec.key if isinstance(spec, TiedLayerSpec) else None,
+                tied_key=part.tie,
                 params=sum(p.numel() for p in module.parameters()),
                 saved=saved,
                 stream=floats[0] if floats else 0,
                 riders=sum(floats[1:]),
-                checkpointable=spec.typename.__name__ in TRANSFORMER_LAYERS,
+                checkpointable=part.flat.__name__ in TRANSFORMER_LAYERS,
             )
             done[key] = (trace, output)
         trace, value = done[key]

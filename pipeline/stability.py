@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from model.config import ModelConfig
-from model.transformer import module_names
+from model.parts import module_names, saved_names
 from pipeline.deepspeed_internals import (
     loss_scale,
     replace_model_step,
@@ -38,7 +38,6 @@ from pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from pipeline.layers import layer_specs
 from pipeline.world import end_distributed
 
 GRAD_NORMS_FILE = "grad_norms.jsonl"
@@ -120,7 +119,7 @@ class StabilityGuard:
         self.grad_norm_interval, self.write_norms = grad_norm_interval, write_norms
         self.names = module_names(cfg)
         # Layers named in checkpoints: each holds its own parameters (a tied table: its first use).
-        self.saved = [name for name, _ in layer_specs(cfg)]
+        self.saved = saved_names(cfg)
         self.found: str | None = None
         self.skipped = False
         # (layer, min and max of its output) for every forward of this step

@@ -8,7 +8,7 @@ fairseq-interactive and checkpoint_utils.load_model_ensemble_and_task need; the 
 but train as fairseq raw text (SPLIT.SRC-TGT.LANG, for fairseq-generate --dataset-impl raw); and
 fathom_export.json, the summary.
 
-The checkpoint is read one pipeline layer file at a time, in the order of the spec list, and each
+The checkpoint is read one pipeline layer file at a time, in the order of the parts, and each
 layer is folded into its plain fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
 never held twice. A batch of the data's validation pairs runs through the trained layers and the
 folded ones side by side, and the summary reports the largest log-probability difference.
@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec
 from torch import nn
 from tqdm import tqdm
 
 from model.config import PAD, ConfigError, ModelConfig, exit_on_config_error
 from model.fold import folded
 from model.norms import SCHEMES, build_scheme
+from model.parts import Part, build_parts, model_parts
 from pipeline.checkpoint import (
     check_vocab,
     checkpoint_dir,
@@ -47,7 +47,6 @@ from pipeline.checkpoint import (
 from pipeline.corpus import BinarizedCorpus
 from pipeline.data import collate
 from pipeline.hooks import ScheduleHook
-from pipeline.layers import SpecBuilder, layer_specs, run_layer
 from pipeline.staging import check_output_dir, staged
 
 CHECKPOINT = "checkpoint.pt"
@@ -117,15 +116,15 @@ def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
             state[f"{side}.embed_positions._float_tensor"] = torch.FloatTensor(1)
 
 
-class SpecRunner:
-    """Runs a batch through a pipeline spec list one layer at a time, as the pipeline would."""
+class PartRunner:
+    """Runs a batch through the model's parts one at a time, as the pipeline would."""
 
     def __init__(self, inputs: tuple[torch.Tensor, ...]):
         self.activations: tuple[torch.Tensor, ...] | torch.Tensor = inputs
 
     @torch.no_grad()
-    def __call__(self, spec: LayerSpec, module: nn.Module) -> None:
-        self.activations = run_layer(spec, module, self.activations)
+    def __call__(self, part: Part, module: nn.Module) -> None:
+        self.activations = part.run(module, self.activations)
 
     def log_probs(self) -> torch.Tensor:
         return F.log_softmax(self.activations.float(), dim=-1)
@@ -204,19 +203,23 @@ class Export:
         missing_layer_files(cfg, checkpoint)
         return cls(checkpoint, cfg, scheme.plain_config(), schedule_step(checkpoint))
 
-    def folded_layers(self, trained: SpecRunner) -> Iterator[tuple[tuple[str | None, LayerSpec], nn.Module]]:
-        """((plain name, plain spec), folded plain module) in spec order; `trained` runs the trained layers."""
-        modules, plain_modules = SpecBuilder(), SpecBuilder()
+    def folded_layers(self, trained: PartRunner) -> Iterator[tuple[Part, nn.Module]]:
+        """(plain part, folded plain module) in the parts' order, each built when its turn comes;
+        `trained` runs the trained layers."""
+        parts, plain_parts = model_parts(self.cfg), model_parts(self.plain)
 
         def pairs():
-            specs = zip(layer_specs(self.cfg), layer_specs(self.plain), strict=True)
-            for index, ((name, spec), plain) in enumerate(specs):
-                module = modules(spec)
-                if name is not None:
+            built = zip(
+                parts, plain_parts, build_parts(parts, flat=True), build_parts(plain_parts, flat=True), strict=True
+            )
+            for index, (part, plain_part, module, plain_module) in enumerate(built):
+                module.eval()
+                plain_module.eval()
+                if part.saved:
                     load_layer(layer_file(self.checkpoint, index), module)
                 ScheduleHook(module)(self.step)  # BranchNorm's alpha_t at the checkpoint's step
-                trained(spec, module)
-                yield plain, module, plain_modules(plain[1])
+                trained(part, module)
+                yield plain_part, module, plain_module
 
         yield from folded(pairs())
 
@@ -224,20 +227,20 @@ class Export:
         """The folded model's fairseq state dict, and its largest log-probability difference from the
         trained model on `batch`, over real target positions (eps dominates a pad position's state,
         which nothing reads)."""
-        trained, plain = SpecRunner(batch), SpecRunner(batch)
+        trained, plain = PartRunner(batch), PartRunner(batch)
         state: dict[str, torch.Tensor] = {}
         layers = tqdm(
             self.folded_layers(trained),
-            total=len(layer_specs(self.cfg)),
+            total=len(model_parts(self.cfg)),
             desc="converting",
             unit="layer",
             file=sys.stderr,
         )
-        for (name, spec), module in layers:
-            plain(spec, module)
-            if name is not None:
+        for part, module in layers:
+            plain(part, module)
+            if part.saved:
                 for key, value in module.state_dict().items():
-                    state[fairseq_key(name, key)] = value
+                    state[fairseq_key(part.name, key)] = value
         fairseq_extras(self.plain, state)
         real = batch[1].ne(PAD)
         return state, (trained.log_probs() - plain.log_probs()).abs()[real].max().item()

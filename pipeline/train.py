@@ -21,6 +21,7 @@ from deepspeed.pipe import PipelineModule
 from model.config import exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
+from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin, commit
 from pipeline.checkpoint import (
     CONFIG_FILE,
@@ -43,7 +44,7 @@ from pipeline.deepspeed_internals import checkpoint_engine
 from pipeline.distributed import init_distributed
 from pipeline.heap import heap_for_decoding
 from pipeline.hooks import ScheduleHook, StepHook
-from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from pipeline.layers import layer_specs
 from pipeline.logs import METRICS_FILE, MetricsLog
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_pipeline(cfg: RunConfig) -> PipelineModule:
     """Each rank builds only the layers of its own stage (LayerSpecs are lazy)."""
     options = dict(
-        layers=[spec for _, spec in layer_specs(cfg.model)],
+        layers=layer_specs(cfg.model),
         num_stages=cfg.stages,
         loss_fn=partial(label_smoothed_cross_entropy, smoothing=cfg.train.label_smoothing),
         checkpointable_layers=TRANSFORMER_LAYERS,

@@ -13,10 +13,10 @@ import torch
 from model import Transformer
 from model.config import ModelConfig
 from model.norms import BranchScaled
+from model.parts import saved_names
 from pipeline import commit
 from pipeline.average import main
 from pipeline.checkpoint import global_step, layer_file, load_file, load_reference
-from pipeline.layers import layer_specs
 from pipeline.rundir import LOCK_FILE
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
@@ -37,7 +37,7 @@ def write_checkpoint(save_dir: Path, tag: str, step: int, dtype=torch.float32, c
     model = Transformer(cfg).to(dtype)
     checkpoint = save_dir / tag
     checkpoint.mkdir()
-    for index, (name, _) in enumerate(layer_specs(cfg)):
+    for index, name in enumerate(saved_names(cfg)):
         if name is not None:
             torch.save(model.get_submodule(name).state_dict(), layer_file(checkpoint, index))
     torch.save({"global_steps": step, "optimizer": None}, checkpoint / "mp_rank_00_model_states.pt")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model.transformer import module_names
+from model.parts import module_names
 from pipeline.config import resolve_run
 from pipeline.stability import NONFINITE_EXIT
 from tests.conftest import ROOT, launch

@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.config import EOS, NUM_SPECIAL, PAD
+from model.config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention
 from model.loss import label_smoothed_cross_entropy
+from model.parts import build_parts, model_parts
+from model.transformer import Transformer
 from pipeline.data import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 
 
@@ -114,3 +116,28 @@ def test_micro_batches_resume_at_any_step(ranks):
         for expected in uninterrupted[12:]:
             got = next(resumed)
             assert torch.equal(got[0][0], expected[0][0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("share", ["none", "decoder", "all"])
+def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
+    """The single-process Transformer holds every part under the part's name, a shared table as one
+    module under each of its names, and nothing else; the flat (pipeline) form of a part has the same
+    parameters by name and shape, so one checkpoint file loads into either."""
+    cfg = ModelConfig(
+        encoder_layers=2, decoder_layers=3, embed_dim=8, ffn_dim=16, attention_heads=2, src_vocab_size=16,
+        tgt_vocab_size=16, norm_scheme="pre_ln", share_all_embeddings=share == "all",
+        share_decoder_input_output_embed=share == "decoder",
+    )  # fmt: skip
+    parts, model = model_parts(cfg), Transformer(cfg)
+    modules = [model.get_submodule(part.name) for part in parts]
+    tables = {part.tie for part in parts if part.tie is not None}
+    assert len({id(module) for module in modules}) == len(parts) - sum(not part.saved for part in parts)
+    assert len(tables) == {"none": 0, "decoder": 1, "all": 1}[share]
+    saved = [part for part in parts if part.saved]
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for part in saved for p in model.get_submodule(part.name).parameters()
+    )
+    for part, flat in zip(parts, build_parts(parts, flat=True), strict=True):
+        plain = model.get_submodule(part.name)
+        assert isinstance(flat, type(plain))
+        assert {k: v.shape for k, v in flat.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}

@@ -6,7 +6,8 @@ import pytest
 from deepspeed.runtime.utils import partition_balanced
 
 from model import ModelConfig
-from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
+from model.parts import TRANSFORMER_LAYERS, model_parts
+from pipeline.layers import layer_specs
 from pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
 
 
@@ -28,7 +29,7 @@ def imbalance(costs: list[float]) -> float:
 
 def by_layer_count(cfg: ModelConfig, stages: int) -> list[float]:
     """Stage costs when every stage gets as many Transformer layers (the former default)."""
-    counted = [int(spec.typename.__name__ in TRANSFORMER_LAYERS) for _, spec in layer_specs(cfg)]
+    counted = [int(spec.typename.__name__ in TRANSFORMER_LAYERS) for spec in layer_specs(cfg)]
     costs = layer_costs(cfg)
     return [sum(costs[a:b]) for a, b in itertools.pairwise(partition_balanced(weights=counted, num_parts=stages))]
 
@@ -76,7 +77,7 @@ def test_balanced_bounds_cut_the_optimal_stages(costs, marked):
 def test_every_stage_holds_a_transformer_layer():
     """A small model with a large vocabulary: by cost alone the output layer would be a stage of its own."""
     cfg = config(2, 32, 64, 5000, share_all_embeddings=True)
-    specs = [spec.typename.__name__ in TRANSFORMER_LAYERS for _, spec in layer_specs(cfg)]
+    specs = [spec.typename.__name__ in TRANSFORMER_LAYERS for spec in layer_specs(cfg)]
     assert balanced_bounds(layer_costs(cfg), 2)[1] == len(specs) - 1  # the unconstrained cut
     for stages in (2, 3, 4):
         bounds = stage_bounds(cfg, stages)
@@ -96,12 +97,14 @@ def test_balanced_bounds_match_deepspeeds_slowest_stage_and_take_milliseconds():
 
 @pytest.mark.parametrize("share", ["none", "decoder", "all"])
 def test_only_tied_reuses_have_no_checkpoint_file(share):
-    """A spec's name says which module its checkpoint file loads into; DeepSpeed saves a tied table under
-    its first use only, and those re-uses are the ones without a name."""
+    """A part's name says which module its checkpoint file loads into; DeepSpeed saves a tied table under
+    its first use only, and those re-uses (specs with a forward_fn) are the parts marked not saved."""
     cfg = ModelConfig(
         encoder_layers=2, decoder_layers=2, embed_dim=8, ffn_dim=16, attention_heads=2, src_vocab_size=16,
         tgt_vocab_size=16, share_all_embeddings=share == "all", share_decoder_input_output_embed=share == "decoder",
     )  # fmt: skip
-    specs = layer_specs(cfg)
-    assert [name is None for name, _ in specs] == [getattr(spec, "forward_fn", None) is not None for _, spec in specs]
-    assert sum(name is None for name, _ in specs) == {"none": 0, "decoder": 1, "all": 2}[share]
+    parts = model_parts(cfg)
+    assert [not part.saved for part in parts] == [
+        getattr(spec, "forward_fn", None) is not None for spec in layer_specs(cfg)
+    ]
+    assert sum(not part.saved for part in parts) == {"none": 0, "decoder": 1, "all": 2}[share]

@@ -12,12 +12,12 @@ import torch
 from model import SCHEMES
 from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
+from model.parts import TRANSFORMER_LAYERS, model_parts
 from model.search import beam_search
 from pipeline.checkpoint import load_reference, model_config
 from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.data import MicroBatches, eval_batches, with_eos
 from pipeline.hooks import ScheduleHook
-from pipeline.layers import TRANSFORMER_LAYERS, layer_specs
 from pipeline.partition import stage_bounds
 from pipeline.train import profile_batch
 from tests.conftest import ROOT, launch
@@ -143,7 +143,7 @@ def test_each_rank_builds_only_its_own_stage(parity_runs):
     (LayerSpecs are built lazily): none built the whole model and kept a part."""
     _, out, _ = parity_runs
     ranks = [json.loads((out / "post_ln" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    kinds = [spec.typename.__name__ for _, spec in layer_specs(model_config(out / "post_ln"))]
+    kinds = [part.flat.__name__ for part in model_parts(model_config(out / "post_ln"))]
     assert len(kinds) == 2 + 2 + 3 + 1  # embeddings, encoder layers, decoder layers, output projection
     assert ranks[0]["start"] == 0 and ranks[0]["stop"] == ranks[1]["start"] and ranks[1]["stop"] == len(kinds)
     assert 0 < ranks[0]["stop"] < len(kinds)

@@ -11,11 +11,10 @@ import torch
 
 from model.config import ConfigError
 from model.loss import label_smoothed_cross_entropy
-from model.transformer import module_names
+from model.parts import module_names, saved_names
 from pipeline.checkpoint import load_reference
 from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.data import MicroBatches
-from pipeline.layers import layer_specs
 from pipeline.partition import stage_bounds
 from pipeline.stability import GRAD_NORMS_FILE, NONFINITE_EXIT, describe
 from tests.conftest import ROOT, launch
@@ -206,7 +205,7 @@ def reference_norms(save_dir, overrides, step):
         (label_smoothed_cross_entropy(model(src, prev), target, cfg.train.label_smoothing) / accumulation).backward()
     return {
         name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.get_submodule(name).parameters()))
-        for name, _ in layer_specs(model.cfg)
+        for name in saved_names(model.cfg)
         if name is not None
     }
 

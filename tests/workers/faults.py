@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from model.transformer import module_names
+from model.parts import module_names
 from pipeline import train as training
 from pipeline.config import resolve_run
 from pipeline.deepspeed_internals import stage_layers, stage_range

@@ -28,7 +28,7 @@ mpi:
 
 # torchscale, the reference the tests compare DeepNorm and Sub-LN with (and scripts/bench.py times). Without
 # its dependencies: its pinned timm would pull torchvision and a CUDA torch, for a drop_path we stand in for
-# (pipeline/torchscale_peer.py).
+# (tools/torchscale_peer.py).
 peers: install
 	$(PYTHON) -m pip install --quiet --no-deps torchscale==0.3.0 fairscale==0.4.0
 

@@ -58,8 +58,9 @@ def scale_output(producer: nn.Module | None, scale: float | torch.Tensor) -> Non
         raise TypeError(f"cannot scale the output of {type(producer).__name__}")
 
 
-class Folder:
-    """Loads each module of a trained model into its counterpart in the plain model, in model order."""
+class ScaleFolder:
+    """Copies each module of a trained model into its counterpart in the plain model, in model order,
+    folding the residual scales in on the way."""
 
     def __init__(self) -> None:
         self.producer: nn.Module | None = None  # whose output the residual stream currently is
@@ -119,7 +120,7 @@ Key = TypeVar("Key")
 def folded(modules: Iterable[tuple[Key, nn.Module, nn.Module]]) -> Iterator[tuple[Key, nn.Module]]:
     """(key, trained module, plain module) in model order -> (key, folded plain module), each handed
     on once final: after the next module's fold, which may rescale its output."""
-    folder, pending = Folder(), None
+    folder, pending = ScaleFolder(), None
     for key, original, plain in modules:
         folder.fold(original, plain)
         if pending is not None:

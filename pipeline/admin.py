@@ -14,6 +14,7 @@ import deepspeed
 import torch.distributed as dist
 from torch import nn
 
+from corpus.batches import MicroBatch
 from model.admin import (
     PROFILE_FILE,
     Variances,
@@ -27,7 +28,6 @@ from model.admin import (
 from model.config import ModelConfig
 from model.norms import AdminResidual, build_scheme
 from model.parts import saved_names
-from pipeline.data import MicroBatch
 
 
 def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResidual]:

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from corpus.prepared import PreparedData
 from model.config import ConfigError, ModelConfig
 from model.parts import saved_names
 from model.transformer import Transformer
-from pipeline.corpus import PreparedData
+from pipeline.durable import write_atomic
 from pipeline.hooks import ScheduleHook
 
 CONFIG_FILE = "config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
-BEST = "best"  # the link to the checkpoint that scored best on validation (pipeline/commit.py)
+BEST = "best"  # the link to the checkpoint that scored best on validation (pipeline/checkpoint_saving.py)
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
-MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/commit.py)
+MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint_saving.py)
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
 DICTIONARIES_FILE = "dictionaries.json"
@@ -43,38 +43,6 @@ def model_config(save_dir: str | Path) -> ModelConfig:
     except (ValueError, KeyError, TypeError) as err:  # ConfigError is a ValueError: its line says more
         detail = err if isinstance(err, ConfigError) else f"not a run's config ({type(err).__name__}: {err})"
         raise ConfigError(f"{path}: {detail}; the run directory is damaged, restore config.json") from None
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str | bytes) -> None:
-    """Readers see the old content or the new, never a partial file, whenever the writer dies. A link's
-    target is replaced, not the link; a device or pipe (--output /dev/stdout) is written in place."""
-    try:
-        mode = "wb" if isinstance(text, bytes) else "w"
-        if path.exists() and not path.is_file():
-            with open(path, mode) as f:
-                f.write(text)
-            return
-        path = Path(os.path.realpath(path))
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, mode) as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:  # a full disk leaves no temporary file behind
-            tmp.unlink(missing_ok=True)
-        fsync_dir(path.parent)
-    except OSError as err:  # a failed write or close names no file
-        raise OSError(err.errno, err.strerror, str(path)) from None
 
 
 def deepspeed_state_types() -> list[type]:
@@ -120,7 +88,7 @@ def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, da
 
 
 def latest_tag(save_dir: str | Path) -> str | None:
-    """The tag `latest` names: the newest complete checkpoint (pipeline/commit.py moves it)."""
+    """The tag `latest` names: the newest complete checkpoint (pipeline/checkpoint_saving.py moves it)."""
     path = Path(save_dir) / LATEST
     return path.read_text().strip() if path.exists() else None
 
@@ -171,39 +139,6 @@ def file_damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
         if bad is not None:
             return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
     return None
-
-
-class ErrorKeepingWriter:
-    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
-    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
-
-    def __init__(self, file: BinaryIO, path: str | Path) -> None:
-        self.file, self.path = file, str(path)
-        self.error: OSError | None = None
-
-    def write(self, data: bytes) -> int:
-        try:
-            return self.file.write(data)
-        except OSError as err:
-            self.error = OSError(err.errno, err.strerror, self.path)
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) -> None:
-    """torch.save, then fsync: on disk once this returns. A write that fails (a full disk) raises the
-    system's OSError naming the file."""
-    with open(path, "wb") as f:
-        writer = ErrorKeepingWriter(f, path)
-        try:
-            torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
-        except RuntimeError:
-            if writer.error is None:
-                raise
-            raise writer.error from None
-        os.fsync(f.fileno())
 
 
 def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = (), verify: bool = True) -> Any:

@@ -2,31 +2,22 @@
 
 Everything is checked here, before any process trains: DeepSpeed ignores keys it does not know, so a
 typo anywhere would otherwise silently train the wrong model (pipeline/deepspeed_keys.py checks
-DeepSpeed's sections against what the pinned DeepSpeed reads).
+DeepSpeed's sections against what the pinned DeepSpeed reads, pipeline/deepspeed_values.py their values).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
+from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
+from corpus.prepared import BinarizedCorpus, PreparedData
+from model.config import ConfigError, ModelConfig, parse_section
+from pipeline.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
-from model.config import ConfigError, ModelConfig, parse_section, unknown_key_error
-from model.parts import model_parts
-from pipeline.corpus import BinarizedCorpus, PreparedData
-from pipeline.data import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
-from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
-from pipeline.staging import check_makeable
-
-OUR_SECTIONS = ("model", "data", "train")
-DEFAULT_PARTITION = "cost"  # pipeline/partition.py
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
@@ -222,155 +213,6 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = "") -> int | None:
-    value = ds.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ConfigError(f"{section}{key}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
-    """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
-    world_size None: not launched (e.g. planning); assume one pipeline replica."""
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
-        _require_int(ds, key)  # before DeepSpeed's own check, whose message names only the product
-    check_deepspeed_keys(ds, OUR_SECTIONS)
-    check_monitors(ds)
-    pipeline = ds.get("pipeline")
-    if not isinstance(pipeline, dict) or "stages" not in pipeline:
-        raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
-    known = pipeline_keys()
-    for key in pipeline:
-        if key not in known:
-            raise unknown_key_error(f"pipeline.{key}", known)
-    stages = _require_int(pipeline, "stages", section="pipeline.")
-    layers = cfg.encoder_layers + cfg.decoder_layers
-    if stages > layers:
-        raise ConfigError(
-            f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
-        )
-    check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
-    _require_int(pipeline, "activation_checkpoint_interval", minimum=0, section="pipeline.")
-    _require_int(ds, "steps_per_print")
-    clipping = ds.get("gradient_clipping", 0.0)
-    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
-        raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
-    # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
-    # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
-    if pipeline.setdefault("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
-        raise ConfigError(
-            "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
-            "a stage boundary; set it false (the default here)"
-        )
-    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if zero_stage not in (0, 1):
-        raise ConfigError(
-            f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
-        )
-    world_size = stages if world_size is None else world_size
-    if world_size % stages:
-        raise ConfigError(
-            f"pipeline.stages: {world_size} processes cannot be split into {stages} stages; "
-            f"launch a multiple of {stages} processes"
-        )
-    data_parallel = world_size // stages
-    micro = _require_int(ds, "train_micro_batch_size_per_gpu")
-    if micro is None:
-        raise ConfigError("train_micro_batch_size_per_gpu: missing; set the sentences per micro-batch")
-    total = _require_int(ds, "train_batch_size")
-    accumulation = _require_int(ds, "gradient_accumulation_steps")
-    if total is not None and accumulation is not None and total != micro * accumulation * data_parallel:
-        raise ConfigError(
-            f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-            f"{accumulation} x {data_parallel} data-parallel ranks; set it to {micro * accumulation * data_parallel}"
-        )
-    if total is not None and total % (micro * data_parallel):
-        raise ConfigError(
-            f"train_batch_size: {total} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
-            f"{data_parallel} data-parallel ranks"
-        )
-    for precision in ("fp16", "bf16"):
-        if not isinstance(ds.get(precision, {}), dict):
-            raise ConfigError(f'{precision}: expected an object like {{"enabled": true}}')
-    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
-        raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
-    # DeepSpeed 0.19.8's engine.backward scales the loss only for ZeRO optimizers, while the fp16 optimizer
-    # without ZeRO divides every gradient by the loss scale (deepspeedai/DeepSpeed#8393): updates come out
-    # scale times too small and overflows go unseen. Seen on an H200: 2^24 and 2^28 gave the same losses.
-    if ds.get("fp16", {}).get("enabled") and zero_stage == 0:
-        raise ConfigError(
-            "fp16.enabled: DeepSpeed never scales the loss for fp16 without ZeRO; set zero_optimization.stage to 1"
-        )
-    if ds.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
-        raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
-    # DeepSpeed 0.19.8 saves this mode's optimizer state (BF16_Optimizer, which still shards its fp32
-    # master weights over data-parallel ranks) from data-parallel rank 0 only, as one dict, then its own
-    # load_state_dict indexes it as a per-rank list: such a run trains but can never resume (KeyError 0).
-    if ds.get("bf16", {}).get("enabled") and zero_stage == 0:
-        raise ConfigError(
-            "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1"
-        )
-
-
-MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
-
-
-def check_monitors(ds: dict[str, Any]) -> None:
-    """DeepSpeed's monitors import their package and make their output_path on every rank at start-up:
-    a missing package or a path that cannot be made was a traceback per rank."""
-    from deepspeed.monitor.config import get_monitor_config
-
-    monitors = get_monitor_config(ds)
-    for section, package in MONITOR_PACKAGES.items():
-        if getattr(monitors, section).enabled and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{section}.enabled: needs the {package} package; pip install {package}, or disable it")
-    for section in ("tensorboard", "csv_monitor"):
-        monitor = getattr(monitors, section)
-        if monitor.enabled and monitor.output_path:
-            check_makeable(Path(monitor.output_path), f"{section}.output_path")
-
-
-def check_schedule(ds: dict[str, Any], train: TrainConfig) -> None:
-    """A schedule with an end (WarmupDecayLR, WarmupCosineLR) that ends before the run does would train
-    the remaining steps at its final rate (0 for WarmupDecayLR by default), and one that ends inside its
-    warmup never decays as written; DeepSpeed only logs a warning for the second."""
-    from deepspeed.runtime import lr_schedules
-
-    scheduler = ds.get("scheduler", {})
-    total = scheduler.get("params", {}).get("total_num_steps")
-    if total is None:
-        return
-    default = inspect.signature(getattr(lr_schedules, scheduler["type"])).parameters["warmup_num_steps"].default
-    warmup = scheduler["params"].get("warmup_num_steps", default)
-    if total < warmup:
-        raise ConfigError(
-            f"scheduler.params.total_num_steps: {total} ends inside the warmup of {warmup} steps; set it to "
-            f"{max(warmup, train.max_steps)} or more"
-        )
-    if total < train.max_steps:
-        raise ConfigError(
-            f"scheduler.params.total_num_steps: {total} ends before train.max_steps {train.max_steps}, and the steps "
-            f"after it would train at the schedule's final rate; set it to {train.max_steps}"
-        )
-
-
-def check_partition(partition: Any, cfg: ModelConfig) -> None:
-    """cost, uniform, parameters, or type:REGEX matching some layer's class as DeepSpeed matches it."""
-    if partition in ("cost", "uniform", "parameters"):
-        return
-    if not isinstance(partition, str) or not partition.startswith("type:"):
-        raise ConfigError(f"pipeline.partition: {partition!r}; use cost, uniform, parameters or type:REGEX")
-    try:
-        pattern = re.compile(partition[len("type:") :], re.IGNORECASE)
-    except re.error as err:
-        raise ConfigError(f"pipeline.partition: {partition!r} is not a regular expression ({err})") from None
-    names = {part.flat.__name__ for part in model_parts(cfg)}
-    if not any(pattern.search(name) for name in names):
-        raise ConfigError(
-            f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"
-        )
-
-
 def check_finite(node: Any, path: str = "") -> None:
     """NaN or infinity (JSON's NaN, Infinity) is no setting of fathom's or DeepSpeed's."""
     if isinstance(node, float) and not math.isfinite(node):
@@ -392,7 +234,7 @@ def load_config(path: str | Path, overrides: list[str] = (), world_size: int | N
     data = parse_section(DataConfig, raw["data"], "data")
     train = parse_section(TrainConfig, raw["train"], "train")
     check_deepspeed(ds, model, world_size)
-    check_schedule(ds, train)
+    check_schedule(ds, train.max_steps)
     return RunConfig(model=model, data=data, train=train, deepspeed=ds)
 
 

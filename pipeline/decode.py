@@ -29,16 +29,16 @@ from deepspeed.pipe import PipelineModule
 from sacrebleu.metrics import BLEU
 from torch import nn
 
+from corpus.batches import ParallelCorpus, length_batches, with_eos
+from corpus.prepare import read_lines
+from corpus.prepared import BinarizedCorpus
 from model.cache import DecoderCache
 from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer
 from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
-from pipeline.checkpoint import write_atomic
 from pipeline.config import ValidBleu
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import ParallelCorpus, length_batches, with_eos
-from pipeline.prepare import read_lines
+from pipeline.durable import write_atomic
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

@@ -6,6 +6,9 @@ it refuses only once the engine starts, as a traceback on every rank. Nothing he
 list of keys: DeepSpeedConfig parses the run's sections from a dict that records every key it looks
 up, so a key it never looked at is one it does not know; its pydantic sections validate themselves;
 optimizer and scheduler arguments are compared with the signatures of the classes it will build.
+
+Why one file of ~300 lines: it is one concern, how the pinned DeepSpeed reads its config, and each
+part (the recording dict, the pydantic sections, the constructor signatures) needs the others.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError
-from pipeline.checkpoint import write_atomic
+from pipeline.durable import write_atomic
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

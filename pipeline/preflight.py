@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from corpus.batches import ParallelCorpus, check_budget
+from corpus.prepared import META_FILE
 from model.config import ConfigError
-from pipeline import admin, commit
+from pipeline import admin, checkpoint_saving
 from pipeline.checkpoint import check_init_from, latest_tag
 from pipeline.config import RunConfig, build_corpus, resolve_run
-from pipeline.corpus import META_FILE
-from pipeline.data import ParallelCorpus, check_budget
 from pipeline.rundir import check_not_in_use
 from pipeline.staging import check_makeable
 
@@ -50,5 +50,5 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
             "or choose another save_dir"
         )
     if args.resume:
-        commit.check_resume(save_dir, cfg, corpus, world_size)
+        checkpoint_saving.check_resume(save_dir, cfg, corpus, world_size)
     return cfg, corpus

@@ -9,9 +9,9 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from corpus.prepared import META_FILE
 from model.config import ConfigError
 from pipeline.checkpoint import CONFIG_FILE, LATEST
-from pipeline.corpus import META_FILE
 
 
 def check_makeable(out: Path, name: str) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from pipeline.checkpoint import latest_tag
-from pipeline.commit import remove_uncommitted
+from pipeline.checkpoint_saving import remove_uncommitted
 from pipeline.rundir import RunDirectory
 from pipeline.watchdog import HEARTBEAT_FILE, Watchdog
 

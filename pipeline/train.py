@@ -18,31 +18,22 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
+from corpus.batches import (
+    MicroBatch,
+    MicroBatches,
+    ParallelCorpus,
+)
+from corpus.prepared import BinarizedCorpus
 from model.config import exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from model.parts import TRANSFORMER_LAYERS
-from pipeline import admin, commit
-from pipeline.checkpoint import (
-    CONFIG_FILE,
-    checkpoint_dir,
-    latest_tag,
-    schedule_step,
-    write_atomic,
-    write_dictionaries,
-)
-from pipeline.config import RunConfig, build_corpus
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import (
-    MicroBatch,
-    MicroBatches,
-    ParallelCorpus,
-    eval_batches,
-)
-from pipeline.decode import bleu_set, valid_bleu
+from pipeline import admin, checkpoint_saving
+from pipeline.checkpoint import CONFIG_FILE, checkpoint_dir, latest_tag, schedule_step, write_dictionaries
+from pipeline.config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine
 from pipeline.distributed import init_distributed
-from pipeline.heap import heap_for_decoding
+from pipeline.durable import write_atomic
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import layer_specs
 from pipeline.logs import METRICS_FILE, MetricsLog
@@ -52,11 +43,11 @@ from pipeline.preflight import check_run
 from pipeline.rundir import RunDirectory
 from pipeline.stability import GRAD_NORMS_FILE, NonFiniteError, StabilityGuard, exit_on_nonfinite
 from pipeline.stopping import stop_on_signals
+from pipeline.validation import Best, Validation, validation_line
 from pipeline.watchdog import Watchdog
 from pipeline.world import check_mpi_discovery, launched_world
 
 SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
-TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,7 +95,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
-    commit.install(engine)
+    checkpoint_saving.install(engine)
     return engine
 
 
@@ -158,16 +149,6 @@ def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: in
     }
 
 
-def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> float:
-    """Mean loss over the validation micro-batches, each data-parallel replica taking a share."""
-    grid = engine.grid
-    mine = batches[grid.get_data_parallel_rank() :: grid.get_data_parallel_world_size()]
-    loss = engine.eval_batch(iter(mine), num_micro_batches=len(mine)) if mine else torch.tensor(0.0)
-    total = torch.tensor([loss.item() * len(mine), float(len(mine))], device=engine.device)
-    dist.all_reduce(total, group=grid.get_data_parallel_group())
-    return (total[0] / total[1]).item()
-
-
 def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: float) -> str:
     extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha", "loss_scale") if k in record)
     eta = seconds_per_step * (max_steps - record["step"])
@@ -177,26 +158,6 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
     )
 
 
-class Best:
-    """The best validation value so far by train.best_metric (the lowest loss or the highest BLEU), kept
-    in every checkpoint's client state."""
-
-    def __init__(self, metric: str, client_state: dict[str, Any]):
-        self.metric, self.key = metric, f"best_valid_{metric}"
-        self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
-        self.value = client_state.get(self.key, self.sign * float("inf"))
-
-    def update(self, value: float) -> bool:
-        """Whether `value` is the new best."""
-        if self.sign * value < self.sign * self.value:
-            self.value = value
-            return True
-        return False
-
-    def state(self) -> dict[str, float]:
-        return {self.key: self.value}
-
-
 def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> dict[str, Any]:
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
     Admin's profiled omegas, and writes the run's records. Returns the client state of the checkpoint
@@ -204,7 +165,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     client_state: dict[str, Any] = {}
     if resume and latest_tag(save_dir) is not None:
-        client_state = commit.load(engine, save_dir)
+        client_state = checkpoint_saving.load(engine, save_dir)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
     if rank == 0:  # only now: a checkpoint that failed to load leaves the run's records as they were
@@ -213,7 +174,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
             write_dictionaries(save_dir, corpus, cfg.data.path)
     client_state.setdefault(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
-        commit.verify_contents(cfg.train.init_from, weights_only=True)
+        checkpoint_saving.verify_contents(cfg.train.init_from, weights_only=True)
         source = checkpoint_dir(cfg.train.init_from)
         load_weights(engine, source)
         init_step = cfg.train.init_step
@@ -250,40 +211,6 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
         raise
     finally:
         save_dir.close()
-
-
-class Validation:
-    """The model's validation loss after a step, and with train.valid_bleu its BLEU on the validation
-    set, decoded through the stages; the translations go to SAVE_DIR/translations/valid-stepN.txt."""
-
-    def __init__(self, engine: deepspeed.PipelineEngine, cfg: RunConfig, watchdog: Watchdog):
-        self.engine, self.cfg, self.watchdog = engine, cfg, watchdog
-        corpus = build_corpus(cfg, "valid")
-        self.batches = eval_batches(corpus, cfg.batch_size)
-        bleu = cfg.train.valid_bleu
-        self.bleu_set = bleu_set(corpus, bleu.sentences) if bleu else None
-
-    def __call__(self, step: int) -> dict[str, Any]:
-        self.watchdog.progress(f"validation after step {step}")
-        record = {"step": step, "valid_loss": validate(self.engine, self.batches)}
-        if self.bleu_set is not None:
-            self.watchdog.progress(f"validation BLEU after step {step}")
-            output = Path(self.cfg.train.save_dir) / TRANSLATIONS / f"valid-step{step}.txt"
-            with heap_for_decoding():
-                bleu, seconds = valid_bleu(
-                    self.engine, self.cfg.model, self.bleu_set, self.cfg.train.valid_bleu, output
-                )
-            record.update(valid_bleu=bleu, valid_bleu_seconds=seconds)
-        return record
-
-
-def validation_line(record: dict[str, Any], best: Best) -> str:
-    bleu = (
-        f" | valid bleu {record['valid_bleu']:.2f} ({record['valid_bleu_seconds']:.1f} s)"
-        if "valid_bleu" in record
-        else ""
-    )
-    return f"step {record['step']} | valid loss {record['valid_loss']:.4f}{bleu} | best {best.metric} {best.value:.4f}"
 
 
 def run(
@@ -344,13 +271,13 @@ def run(
             record = validation(done)
             if best.update(record[f"valid_{best.metric}"]):
                 watchdog.progress(f"checkpoint save after step {done}")
-                commit.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
+                checkpoint_saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
             metrics.write({**record, **best.state()})
             if rank == 0:
                 print(validation_line(record, best), flush=True)
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
-            commit.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+            checkpoint_saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Import a fairseq Transformer checkpoint: see pipeline/from_fairseq.py or --help."""
+"""Import a fairseq Transformer checkpoint: see convert/from_fairseq.py or --help."""
 
-from pipeline.from_fairseq import main
+from convert.from_fairseq import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
-"""Translate a prepared split and score it with sacreBLEU: see pipeline/generate.py or --help."""
+"""Translate a prepared split and score it with sacreBLEU: see translation/generate.py or --help."""
 
-from pipeline.generate import main
+from translation.generate import main
 
 if __name__ == "__main__":
     main()

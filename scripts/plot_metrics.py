@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from model.config import ConfigError, exit_on_config_error  # noqa: E402
-from pipeline.checkpoint import write_atomic  # noqa: E402
+from pipeline.durable import write_atomic  # noqa: E402
 from pipeline.logs import read_jsonl  # noqa: E402
 from pipeline.staging import check_writable_file  # noqa: E402
 

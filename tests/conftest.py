@@ -71,7 +71,7 @@ def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:
 @pytest.fixture(scope="session")
 def multi30k_slice(tmp_path_factory) -> Path:
     """A prepared data directory from a few hundred real Multi30k pairs."""
-    from pipeline.prepare import main as prepare_main
+    from corpus.prepare import main as prepare_main
 
     raw = tmp_path_factory.mktemp("raw")
     out = tmp_path_factory.mktemp("prepared") / "m30k"
@@ -88,7 +88,7 @@ def edit_prepared(data: Path, name: str, edit) -> None:
     prepare_data had written it: data that is consistent, but not the data a run was trained on."""
     import json
 
-    from pipeline.corpus import file_record
+    from corpus.prepared import file_record
 
     path = data / name
     path.write_text("".join(line + "\n" for line in edit(path.read_text().splitlines())))

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpus.prepared import BinarizedCorpus
 from model.config import ConfigError
-from pipeline import commit
+from pipeline import checkpoint_saving
 from pipeline.checkpoint import deepspeed_state_types, file_damage, load_file, read_manifest
-from pipeline.corpus import BinarizedCorpus
-from pipeline.generate import main as generate_main
 from pipeline.logs import read_jsonl
 from pipeline.train import main
 from tests.conftest import ROOT, edit_prepared, launch
+from translation.generate import main as generate_main
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
@@ -60,15 +60,15 @@ def resume_fails(capsys, monkeypatch, run: Path, data: Path, *overrides: str, wo
 
 
 def latest_file(run: Path, pattern: str) -> Path:
-    return sorted((run / commit.latest_tag(run)).glob(pattern))[-1]
+    return sorted((run / checkpoint_saving.latest_tag(run)).glob(pattern))[-1]
 
 
 def test_checkpoints_are_committed_whole(trained):
-    assert commit.latest_tag(trained) == "global_step2"
+    assert checkpoint_saving.latest_tag(trained) == "global_step2"
     for tag in ("global_step1", "global_step2"):
         manifest = read_manifest(trained / tag)
         assert manifest["world_size"] == 2 and manifest["step"] == int(tag[-1])
-        on_disk = {p.name for p in (trained / tag).iterdir()} - {commit.MANIFEST}
+        on_disk = {p.name for p in (trained / tag).iterdir()} - {checkpoint_saving.MANIFEST}
         assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)
         for name, entry in manifest["files"].items():
             assert entry["zip"] and file_damage(trained / tag / name, entry, read=True) is None
@@ -100,7 +100,7 @@ def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, mu
 
 
 def test_resume_refuses_a_latest_naming_nothing(capsys, monkeypatch, run, multi30k_slice):
-    (run / commit.LATEST).write_text("global_step99")
+    (run / checkpoint_saving.LATEST).write_text("global_step99")
     assert "names 'global_step99', which does not exist" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
 
 
@@ -158,7 +158,7 @@ def test_checkpoint_files_cannot_run_code(tmp_path):
 
 
 def test_deepspeed_optimizer_state_loads_without_unpickling_code(trained):
-    state = commit.CommittingCheckpointEngine(True).load(str(latest_file(trained, "zero_pp_rank_*")))
+    state = checkpoint_saving.CommittingCheckpointEngine(True).load(str(latest_file(trained, "zero_pp_rank_*")))
     assert state["optimizer_state_dict"]["zero_stage"] == 1
 
 
@@ -191,7 +191,7 @@ def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice, capsy
     assert len(errors) == 1 and "fails its checksum; the file is damaged" in errors[0], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert (run / "config.json").read_bytes() == config_before
-    assert commit.latest_tag(run) == "global_step2"
+    assert checkpoint_saving.latest_tag(run) == "global_step2"
     # torch.load reads flipped tensor bytes without complaint: generate.py translated with them, and
     # train.init_from trained from them, both silently
     with pytest.raises(SystemExit) as exc:
@@ -218,9 +218,9 @@ def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(ru
     assert "File too large while saving global_step3" in errors[0], errors[0]
     assert "--resume continues from global_step2" in errors[0], errors[0]
     assert "Traceback" not in output, output[-3000:]
-    assert commit.latest_tag(run) == "global_step2"
+    assert checkpoint_saving.latest_tag(run) == "global_step2"
     result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=3"), "--resume")
-    assert result.returncode == 0 and commit.latest_tag(run) == "global_step3"
+    assert result.returncode == 0 and checkpoint_saving.latest_tag(run) == "global_step3"
 
 
 def test_resume_drops_a_metrics_line_torn_by_a_crash(run, multi30k_slice):

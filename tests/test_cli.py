@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from model import SCHEMES, ModelConfig, Transformer
-from pipeline.generate import main as generate_main
 from tests.conftest import ROOT, write_run
+from translation.generate import main as generate_main
 
 
 def run_generate(capsys, *args):

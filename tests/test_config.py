@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from corpus.prepared import META_FILE
 from pipeline.checkpoint import LATEST
 from pipeline.config import load_config
-from pipeline.corpus import META_FILE
 from pipeline.rundir import RunDirectory
 from pipeline.train import main
 from tests.conftest import ROOT, launch

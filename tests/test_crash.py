@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import commit
+from pipeline import checkpoint_saving
 from pipeline.checkpoint import file_damage, read_manifest
 from tests.conftest import ROOT, assert_same_training, free_port, launch
 
@@ -61,9 +61,9 @@ def steps_done(save_dir: Path) -> int:
 
 def assert_latest_whole(save_dir: Path) -> None:
     """What a resume would load: complete, every file at its saved size and checksum."""
-    committed = commit.committed_files(save_dir)
+    committed = checkpoint_saving.committed_files(save_dir)
     if committed is None:
-        assert commit.latest_tag(save_dir) is None
+        assert checkpoint_saving.latest_tag(save_dir) is None
         return
     checkpoint, manifest = committed
     assert manifest["step"] == int(checkpoint.name.removeprefix("global_step"))
@@ -103,7 +103,7 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
         for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             segment.unlink()  # a rank killed before it released its shm segment
     assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
-    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {commit.latest_tag(save_dir)}"
+    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {checkpoint_saving.latest_tag(save_dir)}"
 
 
 def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
@@ -164,7 +164,7 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
     stopped = [line for line in output.splitlines() if line.startswith("fathom: stopped")]
-    tag = commit.latest_tag(save_dir)
+    tag = checkpoint_saving.latest_tag(save_dir)
     assert len(stopped) == 1 and re.fullmatch(
         rf"fathom: stopped by {sig.name} after step \d+; the same command with --resume continues from {tag}",
         stopped[0],

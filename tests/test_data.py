@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from corpus.batches import BatchSize, MicroBatches, epoch_batches
+from corpus.prepare import main as prepare_main
+from corpus.prepared import BinarizedCorpus, Dictionary, file_record, write_indexed
 from model.config import EOS, NUM_SPECIAL, PAD, ConfigError
-from pipeline.corpus import BinarizedCorpus, Dictionary, file_record, write_indexed
-from pipeline.data import BatchSize, MicroBatches, epoch_batches
-from pipeline.generate import main as generate_main
-from pipeline.prepare import main as prepare_main
 from pipeline.train import main as train_main
 from tests.conftest import MULTI30K, ROOT, write_slice
+from translation.generate import main as generate_main
 
 
 def prepare(tmp_path, train, valid, *extra):

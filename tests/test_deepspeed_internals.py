@@ -11,7 +11,6 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from model.config import ModelConfig
-from pipeline.bench import init_single_process, synthetic_batch
 from pipeline.config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,
@@ -28,6 +27,7 @@ from pipeline.deepspeed_internals import (
 from pipeline.layers import layer_specs
 from pipeline.train import build_engine
 from tests.conftest import ROOT
+from tools.bench import init_single_process, synthetic_batch
 
 
 def test_another_deepspeed_version_is_one_line(capsys):

@@ -12,12 +12,12 @@ import pytest
 import sentencepiece as spm
 import torch
 
+from convert import from_fairseq, to_fairseq
+from corpus.batches import collate
+from corpus.prepared import BinarizedCorpus
 from model.fold import fold_model
 from model.norms import SCHEMES
-from pipeline import from_fairseq, to_fairseq
 from pipeline.checkpoint import load_reference
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import collate
 from tests.conftest import ROOT, edit_prepared, launch
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]  # the registry's

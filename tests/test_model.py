@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 from model.config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention
 from model.loss import label_smoothed_cross_entropy
 from model.parts import build_parts, model_parts
 from model.transformer import Transformer
-from pipeline.data import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 
 
 def test_attention_equals_softmax_formula_with_padding_mask():

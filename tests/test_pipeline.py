@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpus.batches import MicroBatches, eval_batches, with_eos
 from model import SCHEMES
 from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
@@ -16,7 +17,6 @@ from model.parts import TRANSFORMER_LAYERS, model_parts
 from model.search import beam_search
 from pipeline.checkpoint import load_reference, model_config
 from pipeline.config import build_corpus, load_config, resolve_run
-from pipeline.data import MicroBatches, eval_batches, with_eos
 from pipeline.hooks import ScheduleHook
 from pipeline.partition import stage_bounds
 from pipeline.train import profile_batch

@@ -1,4 +1,4 @@
-"""The memory planner (pipeline/planner.py): its arithmetic by hand, and its prediction against a real run."""
+"""The memory planner (tools/planner.py): its arithmetic by hand, and its prediction against a real run."""
 
 import json
 import subprocess
@@ -6,10 +6,12 @@ import sys
 
 import pytest
 
-from pipeline import planner
 from pipeline.config import load_config
 from pipeline.memory import MEMORY_FILE
-from pipeline.planner import (
+from tests.conftest import ROOT, launch
+from tools import planner
+from tools.activation_trace import trace_layers
+from tools.planner import (
     CPU_RUNTIME_BYTES,
     GiB,
     MicroBatchShape,
@@ -18,9 +20,7 @@ from pipeline.planner import (
     micro_batch_shape,
     parse_size,
     smallest_stage_count,
-    trace_layers,
 )
-from tests.conftest import ROOT, launch
 
 TINY = [
     "model.encoder_layers=1", "model.decoder_layers=1", "model.embed_dim=8", "model.ffn_dim=16",

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import model.cache
+from corpus.batches import collate
 from model import SCHEMES, ModelConfig, Transformer
 from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
 from model.search import ModelDecoder, beam_search, search
-from pipeline.data import collate
 from pipeline.hooks import ScheduleHook
 from tests.reference_search import full_recompute_search
 

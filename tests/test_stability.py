@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from corpus.batches import MicroBatches
 from model.config import ConfigError
 from model.loss import label_smoothed_cross_entropy
 from model.parts import module_names, saved_names
 from pipeline.checkpoint import load_reference
 from pipeline.config import build_corpus, load_config, resolve_run
-from pipeline.data import MicroBatches
 from pipeline.partition import stage_bounds
 from pipeline.stability import GRAD_NORMS_FILE, NONFINITE_EXIT, describe
 from tests.conftest import ROOT, launch

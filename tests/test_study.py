@@ -12,10 +12,10 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.study import CELL_FILE, Cell, Sensitivity, StudySpec, cell_dir, cells, check, read_spec
-from pipeline.study import main as study_main
-from pipeline.study_report import DIVERGED, STALLED, TRAINED, classify
 from tests.conftest import ROOT
+from tools.study import CELL_FILE, Cell, Sensitivity, StudySpec, cell_dir, cells, check, read_spec
+from tools.study import main as study_main
+from tools.study_report import DIVERGED, STALLED, TRAINED, classify
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
 

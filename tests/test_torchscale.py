@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from pipeline.compare_training import main as compare_main
-from pipeline.torchscale_peer import torchscale_model
 from tests.conftest import ROOT
+from tools.compare_training import main as compare_main
+from tools.torchscale_peer import torchscale_model
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 

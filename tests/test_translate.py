@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpus.prepare import main as prepare_main
+from corpus.prepared import PreparedData
 from model import ModelConfig, Transformer
-from pipeline.bench_translate import main as bench_translate_main
-from pipeline.corpus import PreparedData
-from pipeline.generate import main as generate_main
-from pipeline.generate import parse_args as parse_generate_args
-from pipeline.generate import translate as generate_translate
-from pipeline.prepare import main as prepare_main
-from pipeline.translate import main as translate_main
 from tests.conftest import ROOT, write_run, write_slice
+from tools.bench_translate import main as bench_translate_main
+from translation.generate import main as generate_main
+from translation.generate import parse_args as parse_generate_args
+from translation.generate import translate as generate_translate
+from translation.translate import main as translate_main
 
 SEARCH = ["--beam", "3", "--lenpen", "0.6", "--max-len-b", "6"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import commit
+from pipeline import checkpoint_saving
 from pipeline.train import main
 from pipeline.world import run_launched
 
@@ -21,7 +21,7 @@ def die() -> None:
 
 
 def crash_mid_file(count: int) -> None:
-    original = commit.CommittingCheckpointEngine.save
+    original = checkpoint_saving.CommittingCheckpointEngine.save
 
     def save(self, state_dict, path):
         if len(self.written) == count - 1:
@@ -34,18 +34,18 @@ def crash_mid_file(count: int) -> None:
             die()
         original(self, state_dict, path)
 
-    commit.CommittingCheckpointEngine.save = save
+    checkpoint_saving.CommittingCheckpointEngine.save = save
 
 
 def crash_before_latest() -> None:
-    original = commit.write_atomic
+    original = checkpoint_saving.write_atomic
 
     def write_atomic(path, text):
-        if path.name == commit.LATEST:
+        if path.name == checkpoint_saving.LATEST:
             die()
         original(path, text)
 
-    commit.write_atomic = write_atomic
+    checkpoint_saving.write_atomic = write_atomic
 
 
 if "FATHOM_CRASH" in os.environ:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from corpus.batches import MicroBatches
 from model.norms import build_scheme
 from model.parts import DecoderLayerPipe, EncoderLayerPipe
 from pipeline import admin
 from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import ValidBleu, build_corpus, resolve_run
-from pipeline.data import MicroBatches
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.distributed import init_distributed

@@ -7,7 +7,7 @@ Every cell starts from the same experiment config (data order, batches, optimize
 changes only its scheme, depth and, in the sensitivity grid, learning rate and warmup. A cell is a run
 directory STUDY/cells/NAME; it is finished once STUDY/cells/NAME/cell.json exists, so the same command
 again skips finished cells and resumes an interrupted one from its last checkpoint. Each finished cell
-is classified from its own logs (pipeline/study_report.py), and the report is rebuilt from them alone.
+is classified from its own logs (tools/study_report.py), and the report is rebuilt from them alone.
 """
 
 from __future__ import annotations
@@ -22,26 +22,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
-from model.config import EOS, PAD, ConfigError, exit_on_config_error, parse_section
+from corpus.prepared import META_FILE, BinarizedCorpus
+from model.config import ConfigError, exit_on_config_error, parse_section
 from model.norms import SCHEMES
-from pipeline.checkpoint import CONFIG_FILE, latest_tag, load_reference, write_atomic
+from pipeline.checkpoint import CONFIG_FILE, latest_tag
 from pipeline.config import RunConfig, check_no_tilde, load_config, read_json, with_vocab
-from pipeline.corpus import META_FILE, BinarizedCorpus
-from pipeline.data import collate
+from pipeline.durable import write_atomic
 from pipeline.logs import METRICS_FILE, read_jsonl
 from pipeline.stability import NONFINITE_EXIT
 from pipeline.staging import check_makeable
-from pipeline.translate import check_search_args
+from tools.source_use import unigram_nll, valid_nlls
+from translation.translate import check_search_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
 BASELINE_FILE = "baseline.json"
-Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
 
@@ -204,54 +200,9 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
     return status
 
 
-def unigram_nll(data: Path) -> float:
-    """Validation loss (nats per target token, eos included) of the best model that ignores the source
-    and the context: the training set's target unigram distribution, add-one smoothed."""
-    train, valid = BinarizedCorpus(data, "train"), BinarizedCorpus(data, "valid")
-    counts = np.ones(train.tgt_vocab_size)
-    for i in range(len(train)):
-        np.add.at(counts, train.targets[i], 1)
-    counts[EOS] += len(train)  # one eos per sentence
-    logp = np.log(counts / counts.sum())
-    total = sum(-logp[valid.targets[i]].sum() - logp[EOS] for i in range(len(valid)))
-    tokens = sum(len(valid.targets[i]) + 1 for i in range(len(valid)))
-    return float(total / tokens)
-
-
-def with_shuffled_sources(corpus: BinarizedCorpus) -> tuple[list[Pair], list[Pair]]:
-    """The split's pairs, and the same targets each given the source of its neighbour in length order
-    (similar lengths, another sentence)."""
-    pairs = [corpus.pair(i) for i in range(len(corpus))]
-    order = np.argsort(corpus.lengths(), kind="stable")
-    sources = {int(order[k]): pairs[int(order[(k + 1) % len(order)])][0] for k in range(len(order))}
-    return pairs, [(sources[i], target) for i, (_, target) in enumerate(pairs)]
-
-
-@torch.no_grad()
-def valid_nlls(save_dir: Path, data: Path) -> tuple[float, float]:
-    """Unsmoothed validation loss of the run's latest checkpoint with real and with shuffled sources:
-    how much the model uses the source."""
-    model = load_reference(save_dir)
-    pairs, shuffled = with_shuffled_sources(BinarizedCorpus(data, "valid"))
-    return nll(model, pairs), nll(model, shuffled)
-
-
-@torch.no_grad()
-def nll(model: torch.nn.Module, pairs: list[Pair]) -> float:
-    """Nats per target token (eos included) over `pairs`, in batches of similar lengths."""
-    total, tokens = 0.0, 0
-    order = np.argsort([max(len(s), len(t)) for s, t in pairs], kind="stable")
-    for start in range(0, len(order), 64):
-        (src, prev), target = collate([pairs[int(i)] for i in order[start : start + 64]])
-        logits = model(src, prev)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=PAD, reduction="sum")
-        tokens += int(target.ne(PAD).sum())
-    return total.item() / tokens
-
-
 def bleu_args(spec: StudySpec, data: str | Path, save_dir: Path) -> argparse.Namespace:
     """generate.py's arguments for a cell's validation BLEU: the study's beam, lenpen and length limit."""
-    from pipeline.generate import parse_args
+    from translation.generate import parse_args
 
     return parse_args(["--checkpoint", str(save_dir), "--data", str(data), "--subset", "valid", "--beam",
                        str(spec.beam), "--lenpen", str(spec.lenpen), "--max-len-a", str(spec.max_len_a),
@@ -262,7 +213,7 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's)."""
     from sacrebleu.metrics import BLEU
 
-    from pipeline.generate import translate
+    from translation.generate import translate
 
     hypotheses, references, _ = translate(bleu_args(spec, cfg.data.path, save_dir))
     return BLEU().corpus_score(hypotheses, [references]).score
@@ -272,7 +223,7 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: 
     """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
     that ended with weights, its validation loss with real and shuffled sources and, if it trained,
     its validation BLEU; and the seconds the evaluation took."""
-    from pipeline.study_report import TRAINED, classify  # the report's rules, applied once here
+    from tools.study_report import TRAINED, classify  # the report's rules, applied once here
 
     directory = cell_dir(spec, cell)
     record: dict[str, Any] = {"exit": status, "seconds": seconds}
@@ -388,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study", required=True, help="the study's JSON (ds_configs/study_*.json)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
     args = parser.parse_args(argv)
-    from pipeline.study_report import write_report
+    from tools.study_report import write_report
 
     with exit_on_config_error():
         spec = read_spec(args.study)

@@ -7,7 +7,7 @@ of the encoder's output across tokens (near 0: every token encodes alike).
     python scripts/compare_training.py --config ds_configs/study_multi30k_base.json \\
         --override model.norm_scheme=deepnorm model.deepnorm.init=torchscale --at 50 150 300
 
-The config's scheme must be one torchscale has (pipeline/torchscale_peer.py). Models start from their own
+The config's scheme must be one torchscale has (tools/torchscale_peer.py). Models start from their own
 seeded draws, so compare trends, not digits.
 """
 
@@ -22,14 +22,14 @@ import torch
 from deepspeed.runtime import lr_schedules
 from torch import nn
 
+from corpus.batches import MicroBatches, collate
+from corpus.prepared import BinarizedCorpus
 from model import Transformer
 from model.config import PAD, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
 from pipeline.config import RunConfig, resolve_run
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import MicroBatches, collate
-from pipeline.study import nll, with_shuffled_sources
-from pipeline.torchscale_peer import torchscale_model
+from tools.source_use import nll, with_shuffled_sources
+from tools.torchscale_peer import torchscale_model
 
 ENCODER_SPREAD_SENTENCES = 64
 

@@ -25,8 +25,8 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
+from corpus.prepared import META_FILE, Dictionary, file_record, write_indexed
 from model.config import ConfigError, exit_on_config_error
-from pipeline.corpus import META_FILE, Dictionary, file_record, write_indexed
 from pipeline.staging import check_output_dir, staged
 
 

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
+from convert.to_fairseq import main as export_main
+from corpus.prepared import BinarizedCorpus
 from model.config import ConfigError, exit_on_config_error
-from pipeline.corpus import BinarizedCorpus
 from pipeline.heap import decoding_env, keep_freed_blocks
 from pipeline.staging import check_writable_file
-from pipeline.to_fairseq import main as export_main
-from pipeline.translate import Translator, add_model_args
+from translation.translate import Translator, add_model_args
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from corpus.prepare import read_lines
+from corpus.prepared import BinarizedCorpus
 from model.config import exit_on_config_error
-from pipeline.checkpoint import write_atomic
-from pipeline.corpus import BinarizedCorpus
+from pipeline.durable import write_atomic
 from pipeline.heap import keep_freed_blocks
-from pipeline.prepare import read_lines
 from pipeline.staging import check_writable_file
-from pipeline.translate import Translator, add_model_args
+from translation.translate import Translator, add_model_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""A depth study's classification and report, from the cells' own logs alone (pipeline/study.py).
+"""A depth study's classification and report, from the cells' own logs alone (tools/study.py).
 
 A cell is
 - `diverged`: stopped by a non-finite loss or gradient (train.on_nonfinite=stop), or its training loss
@@ -21,11 +21,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pipeline.checkpoint import write_atomic  # noqa: E402
 from pipeline.config import RunConfig  # noqa: E402
+from pipeline.durable import write_atomic  # noqa: E402
 from pipeline.logs import read_jsonl  # noqa: E402
 from pipeline.stability import GRAD_NORMS_FILE  # noqa: E402
-from pipeline.study import (  # noqa: E402
+from tools.study import (  # noqa: E402
     Cell,
     StudySpec,
     base_schedule,

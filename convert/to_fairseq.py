@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from corpus.batches import collate
+from corpus.prepared import BinarizedCorpus
 from model.config import PAD, ConfigError, ModelConfig, exit_on_config_error
 from model.fold import folded
 from model.norms import SCHEMES, build_scheme
@@ -41,11 +43,9 @@ from pipeline.checkpoint import (
     load_file,
     missing_layer_files,
     model_config,
-    save_file,
     schedule_step,
 )
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import collate
+from pipeline.durable import save_file
 from pipeline.hooks import ScheduleHook
 from pipeline.staging import check_output_dir, staged
 

@@ -23,14 +23,15 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
+from corpus.batches import length_batches, with_eos
+from corpus.prepare import decode_lines, read_lines
+from corpus.prepared import PreparedData
 from model.config import ConfigError, exit_on_config_error
 from model.search import Hypothesis, beam_search
 from model.transformer import Transformer
-from pipeline.checkpoint import check_vocab, load_reference, write_atomic
-from pipeline.corpus import PreparedData
-from pipeline.data import length_batches, with_eos
+from pipeline.checkpoint import check_vocab, load_reference
+from pipeline.durable import write_atomic
 from pipeline.heap import keep_freed_blocks
-from pipeline.prepare import decode_lines, read_lines
 from pipeline.staging import check_writable_file
 
 SearchFn = Callable[..., list[Hypothesis]]

@@ -28,6 +28,8 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+from corpus.batches import ParallelCorpus
+from corpus.prepared import BinarizedCorpus
 from model.config import ConfigError
 from pipeline.checkpoint import (
     BEST,
@@ -38,18 +40,14 @@ from pipeline.checkpoint import (
     check_vocab,
     deepspeed_state_types,
     file_damage,
-    fsync_dir,
     latest_tag,
     load_file,
     model_config,
     read_manifest,
-    save_file,
-    write_atomic,
 )
 from pipeline.config import RunConfig
-from pipeline.corpus import BinarizedCorpus
-from pipeline.data import ParallelCorpus
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
+from pipeline.durable import fsync_dir, save_file, write_atomic
 from pipeline.world import end_distributed
 
 

@@ -25,7 +25,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import deepspeed
@@ -33,18 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from corpus.batches import MicroBatch, collate
 from model.config import NUM_SPECIAL, ConfigError, ModelConfig
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
-from model.parts import build_parts, model_parts
 from model.transformer import Transformer
-from pipeline.config import DataConfig, RunConfig, TrainConfig, check_deepspeed
-from pipeline.data import MicroBatch, collate
+from pipeline.config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import clear_pipe_buffers
+from pipeline.deepspeed_values import check_deepspeed
 from pipeline.distributed import release_shm_buffer
-from pipeline.partition import stage_bounds
-from pipeline.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 from pipeline.train import build_engine
+from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("torchscale", "deepspeed")  # what our plain loop ("fathom") can be compared with
@@ -137,7 +135,7 @@ def model_flops(cfg: ModelConfig, src_len: int, tgt_len: int, batch: int) -> flo
 
 
 def synthetic_batch(vocab: int, batch: int, src_len: int, tgt_len: int) -> MicroBatch:
-    """`batch` random pairs in the training layout (pipeline.data.collate), every one exactly src_len
+    """`batch` random pairs in the training layout (corpus.batches.collate), every one exactly src_len
     and tgt_len tokens long with eos."""
     gen = torch.Generator().manual_seed(1)
     src = torch.randint(NUM_SPECIAL, vocab, (batch, src_len - 1), generator=gen)
@@ -301,54 +299,3 @@ def compare(results: list[Result]) -> None:
             r.fathom_speedup = ours[r.depth].tokens_per_s / r.tokens_per_s
         elif r.system == "deepspeed":
             r.engine_overhead = r.step_s / ours[r.depth].step_s - 1
-
-
-@dataclass
-class StageTime:
-    stage: int
-    start: int  # spec indices [start, stop)
-    stop: int
-    params: int
-    step_s: float  # median forward + backward of the stage's layers on one micro-batch
-
-
-def stage_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
-    """Every part built once in this process in its pipeline form (tied parts share their module),
-    with the callable the engine runs."""
-    parts = model_parts(cfg)
-    modules = build_parts(parts, flat=True)
-    return [(module, partial(part.run, module)) for part, module in zip(parts, modules, strict=True)]
-
-
-def stage_times(cfg: ModelConfig, stages: int, batch: MicroBatch, warmup: int, steps: int) -> list[StageTime]:
-    """Forward + backward time of each stage as pipeline/partition.py cuts the model, each stage timed
-    alone in this process on the activations the stages before it produce: what the pipeline's
-    slowest stage costs every micro-batch, without the other stages competing for the cores."""
-    modules, layers = zip(*stage_layers(cfg), strict=True)
-    bounds = stage_bounds(cfg, stages)
-    (src_tokens, prev_output_tokens), target = batch
-    inputs, value = [], (src_tokens, prev_output_tokens)
-    with torch.no_grad():
-        for start, stop in itertools.pairwise(bounds):
-            inputs.append(value)
-            for layer in layers[start:stop]:
-                value = layer(value)
-    times = []
-    for stage, (start, stop) in enumerate(itertools.pairwise(bounds)):
-        received = inputs[stage]
-
-        def step(start: int = start, stop: int = stop, received: tuple = received) -> None:
-            value = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in received)
-            for layer in layers[start:stop]:
-                value = layer(value)
-            if stop == len(layers):
-                label_smoothed_cross_entropy(value, target).backward()
-            else:
-                sent = [t for t in (value if isinstance(value, tuple) else (value,)) if t.requires_grad]
-                torch.autograd.backward(sent, [torch.ones_like(t) for t in sent])
-
-        mine = {id(m): m for m in modules[start:stop]}
-        params = sum(p.numel() for m in mine.values() for p in m.parameters())
-        seconds = statistics.median(time_steps(step, warmup, steps))
-        times.append(StageTime(stage=stage, start=start, stop=stop, params=params, step_s=seconds))
-    return times

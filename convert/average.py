@@ -46,7 +46,6 @@ from pipeline.checkpoint import (
     LATEST,
     MODEL_STATES,
     file_damage,
-    fsync_dir,
     global_step,
     latest_tag,
     layer_file,
@@ -55,10 +54,10 @@ from pipeline.checkpoint import (
     model_config,
     plain_name,
     read_manifest,
-    save_file,
     saved_layers,
     schedule_step,
 )
+from pipeline.durable import fsync_dir, save_file
 from pipeline.staging import staged
 
 SUMMARY = "fathom_average.json"
@@ -89,7 +88,7 @@ def latest_step(save_dir: Path) -> int:
 
 def committed(checkpoint: Path, latest: int) -> bool:
     """Whether a global_stepN tag is a finished save: it has a manifest, or (runs from before
-    manifests) its step is not past `latest`'s. pipeline/commit.py deletes the others on --resume."""
+    manifests) its step is not past `latest`'s. pipeline/checkpoint_saving.py deletes the others on --resume."""
     match = STEP_TAG.fullmatch(checkpoint.name)
     return match is None or read_manifest(checkpoint) is not None or int(match[1]) <= latest
 

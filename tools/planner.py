@@ -21,20 +21,14 @@ import argparse
 import itertools
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
-import torch
-from torch import Tensor, nn
-
-from model.config import NUM_SPECIAL, ConfigError, exit_on_config_error
-from model.loss import label_smoothed_cross_entropy
-from model.parts import TRANSFORMER_LAYERS, Part, model_parts
+from model.config import ConfigError, exit_on_config_error
 from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.memory import MEMORY_FILE, GiB, MeasuredPeak
 from pipeline.partition import stage_bounds
+from tools.activation_trace import LayerTrace, precision, trace_layers
 
 GB = 10**9
 # A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
@@ -93,92 +87,8 @@ class StageEstimate:
         return self.runtime + self.model_states + max(self.activations, self.transient)
 
 
-@dataclass
-class LayerTrace:
-    """One spec's module, run forward on one sentence."""
-
-    tied_key: str | None  # specs of one tied module (shared embeddings) hold its parameters once
-    params: int
-    saved: int  # bytes autograd keeps for backward, riding inputs excluded
-    stream: int  # bytes of the first float output: the hidden states
-    riders: int  # bytes of further float outputs (encoder_out), held once per stage
-    checkpointable: bool
-
-
-def precision(cfg: RunConfig) -> str:
-    if cfg.deepspeed.get("fp16", {}).get("enabled"):
-        raise ConfigError("fp16: the planner knows fp32 and bf16 runs; estimate with bf16 (same sizes)")
-    return "bf16" if cfg.deepspeed.get("bf16", {}).get("enabled") else "fp32"
-
-
 def state_bytes(cfg: RunConfig) -> StateBytes:
     return STATE_BYTES[precision(cfg), cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)]
-
-
-def _float_bytes(values: tuple) -> list[int]:
-    return [v.untyped_storage().nbytes() for v in values if isinstance(v, Tensor) and v.is_floating_point()]
-
-
-def _saved_bytes(run: Callable[[], object], skip: set[int]) -> tuple[object, int]:
-    """run()'s result and the bytes of the distinct storages autograd saved for backward during it,
-    storages in `skip` (parameters, inputs held elsewhere) left out."""
-    saved: dict[int, int] = {}
-
-    def pack(tensor: Tensor) -> Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in skip:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = run()
-    return output, sum(saved.values())
-
-
-def _module_key(part: Part) -> str:
-    """Parts with one key build equal modules (tied ones: the same module)."""
-    if part.tie is not None:
-        return f"tied:{part.tie}"
-    return repr((part.flat, part.args, part.flat_kwargs))
-
-
-def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
-    """A trace for every spec of the model, and the bytes the loss saves. Each distinct layer is
-    built and run once on one sentence: a deep stack repeats the same layer, whose output then
-    stands in for the next one's input."""
-    dtype = torch.bfloat16 if precision(cfg) == "bf16" else torch.float32
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(NUM_SPECIAL, cfg.model.tgt_vocab_size, (1, length), generator=generator)
-    value: object = (tokens, tokens.clone())
-    modules: dict[str, nn.Module] = {}
-    done: dict[str, tuple[LayerTrace, object]] = {}
-    traces = []
-    for part in model_parts(cfg.model):
-        module_key = _module_key(part)
-        key = f"{module_key}/{part.tied_forward}"
-        if key not in done:
-            if module_key not in modules:
-                modules[module_key] = part.build(flat=True).to(dtype).train()
-            module = modules[module_key]
-            # every decoder layer reads the same encoder_out: the stage holds it once
-            riding = value[1:] if isinstance(value, tuple) else ()
-            skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
-            output, saved = _saved_bytes(partial(part.run, module, value), skip)
-            floats = _float_bytes(output if isinstance(output, tuple) else (output,))
-            trace = LayerTrace(
-                tied_key=part.tie,
-                params=sum(p.numel() for p in module.parameters()),
-                saved=saved,
-                stream=floats[0] if floats else 0,
-                riders=sum(floats[1:]),
-                checkpointable=part.flat.__name__ in TRANSFORMER_LAYERS,
-            )
-            done[key] = (trace, output)
-        trace, value = done[key]
-        traces.append(trace)
-    loss = partial(label_smoothed_cross_entropy, value, tokens, smoothing=cfg.train.label_smoothing)
-    _, loss_saved = _saved_bytes(loss, skip=set())
-    return traces, loss_saved
 
 
 def estimate_stages(

@@ -1,0 +1,1 @@
+"""Parallel text: preparing a corpus (SentencePiece, dictionaries, binarized splits) and batching it."""

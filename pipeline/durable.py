@@ -1,0 +1,75 @@
+"""Writes that are whole once they return, or never happened: a crash, a full disk or a closed pipe
+leaves the old file or a one-line error naming the file, never a partial file that loads as garbage."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Readers see the old content or the new, never a partial file, whenever the writer dies. A link's
+    target is replaced, not the link; a device or pipe (--output /dev/stdout) is written in place."""
+    try:
+        mode = "wb" if isinstance(text, bytes) else "w"
+        if path.exists() and not path.is_file():
+            with open(path, mode) as f:
+                f.write(text)
+            return
+        path = Path(os.path.realpath(path))
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with open(tmp, mode) as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:  # a full disk leaves no temporary file behind
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+    except OSError as err:  # a failed write or close names no file
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+class ErrorKeepingWriter:
+    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
+    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
+
+    def __init__(self, file: BinaryIO, path: str | Path) -> None:
+        self.file, self.path = file, str(path)
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = OSError(err.errno, err.strerror, self.path)
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) -> None:
+    """torch.save, then fsync: on disk once this returns. A write that fails (a full disk) raises the
+    system's OSError naming the file."""
+    with open(path, "wb") as f:
+        writer = ErrorKeepingWriter(f, path)
+        try:
+            torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+        os.fsync(f.fileno())

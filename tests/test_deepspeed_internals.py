@@ -5,6 +5,8 @@ one line; setup.cfg pins the supported one."""
 import contextlib
 import io
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,3 +89,18 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
     assert all(torch.isfinite(s).all() for s in slices[0]) and any(s.abs().sum() > 0 for s in slices[0])
     clear_pipe_buffers(engine)
     assert engine.loss is None
+
+
+def test_reading_translating_and_converting_do_not_import_deepspeed():
+    """DeepSpeed is the training engine only: the model, data preparation, checkpoint reading,
+    translation and conversion import without it (its logger writes to stdout, and a machine that only
+    translates need not build it)."""
+    modules = ["model", "model.parts", "model.fold", "corpus.prepare", "corpus.batches", "pipeline.checkpoint",
+               "pipeline.config", "translation.translate", "translation.generate", "convert.to_fairseq",
+               "convert.from_fairseq", "convert.average"]  # fmt: skip
+    code = (
+        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; print('deepspeed' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -13,8 +13,9 @@ import pytest
 
 from pipeline.config import load_config
 from tests.conftest import ROOT
-from tools.study import CELL_FILE, Cell, Sensitivity, StudySpec, cell_dir, cells, check, read_spec
+from tools.study import CELL_FILE, check
 from tools.study import main as study_main
+from tools.study_grid import Cell, Sensitivity, StudySpec, cell_dir, cells, read_spec
 from tools.study_report import DIVERGED, STALLED, TRAINED, classify
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)

@@ -25,16 +25,14 @@ from pipeline.config import RunConfig  # noqa: E402
 from pipeline.durable import write_atomic  # noqa: E402
 from pipeline.logs import read_jsonl  # noqa: E402
 from pipeline.stability import GRAD_NORMS_FILE  # noqa: E402
-from tools.study import (  # noqa: E402
+from tools.study import cell_records, read_baseline, read_cell  # noqa: E402
+from tools.study_grid import (  # noqa: E402
     Cell,
     StudySpec,
     base_schedule,
     cell_config,
     cell_dir,
-    cell_records,
     cells,
-    read_baseline,
-    read_cell,
     sensitivity_cell,
     warmup_steps,
 )

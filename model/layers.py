@@ -22,6 +22,25 @@ def key_mask(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.ne(PAD)[:, None, None, :]
 
 
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, causal: bool
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim), masked) v, with dropout on the attention probabilities.
+
+    torch's fused kernel (scaled_dot_product_attention) is the fastest on GPUs and in fp32 on CPUs, but
+    on a CPU it runs bf16 at a third of the speed of two bf16 matmuls around a float32 softmax
+    (docs/BENCHMARKS.md), so bf16 on a CPU takes the matmuls."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.size(-1) ** -0.5
+    if causal:  # SDPA's is_causal: query i sees keys 0..i
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(probs, dropout) if dropout else probs, v)
+
+
 class MultiheadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, inner_attn_ln: nn.Module | None = None):
         super().__init__()
@@ -63,9 +82,7 @@ class MultiheadAttention(nn.Module):
         sources = k.size(0)
         if sources != rows:  # the group's queries side by side: (sources, heads, group x length, head_dim)
             q = q.view(sources, rows // sources, heads, length, head_dim).transpose(1, 2).flatten(2, 3)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
-        )
+        out = attention(q, k, v, mask, self.dropout if self.training else 0.0, causal)
         if sources != rows:  # back to (rows, length, heads, head_dim)
             out = out.view(sources, heads, rows // sources, length, head_dim).permute(0, 2, 3, 1, 4)
         else:

@@ -111,6 +111,26 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         )
 
 
+def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (the avx512_bf16 or amx_bf16 flag); elsewhere
+    oneDNN emulates them, about 50x slower than fp32 (docs/BENCHMARKS.md). True where it cannot tell."""
+    try:
+        flags = set(cpuinfo.read_text().split())
+    except OSError:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def precision_warning(ds: dict[str, Any]) -> str | None:
+    """A line for the start of a run whose precision will crawl on this machine, else None."""
+    if ds.get("bf16", {}).get("enabled") and not torch.cuda.is_available() and not native_bf16_cpu():
+        return (
+            "bf16.enabled on a CPU without avx512_bf16 or amx_bf16: torch emulates bf16 matrix products here, "
+            "about 50x slower than fp32; train in fp32 (bf16.enabled=false) on this machine"
+        )
+    return None
+
+
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -32,6 +33,7 @@ from pipeline import admin, checkpoint_saving
 from pipeline.checkpoint import CONFIG_FILE, checkpoint_dir, latest_tag, schedule_step, write_dictionaries
 from pipeline.config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine
+from pipeline.deepspeed_values import precision_warning
 from pipeline.distributed import init_distributed
 from pipeline.durable import write_atomic
 from pipeline.hooks import ScheduleHook, StepHook
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error(report=world.rank == 0):
         check_mpi_discovery()
         cfg, corpus = check_run(args, world.size)
+    if world.rank == 0 and (warning := precision_warning(cfg.deepspeed)):
+        print(f"fathom: warning: {warning}", file=sys.stderr, flush=True)
     # A checkpoint that fails to load or save: the first rank reports it; another rank that alone hits
     # an error reports it after REPORTER_GRACE_S.
     with exit_on_config_error(report=world.rank == 0), exit_on_nonfinite(report=world.rank == 0):

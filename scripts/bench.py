@@ -23,6 +23,7 @@ import deepspeed
 import torch
 
 from model.config import ModelConfig, exit_on_config_error
+from pipeline.deepspeed_values import native_bf16_cpu
 from pipeline.durable import write_atomic
 from pipeline.staging import check_writable_file
 from pipeline.world import run_launched
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     print(
         f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, {threads} threads, "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"bf16 matmuls {'native' if native_bf16_cpu() else 'emulated (no avx512_bf16 or amx_bf16)'}",
         flush=True,
     )
     if args.stage_times:
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "deepspeed": deepspeed.__version__,
             "threads": threads,
+            "native_bf16": native_bf16_cpu(),
             "bench": dataclasses.asdict(bench),
             "matmul_sizes": args.matmul_sizes,
             "matmul_peak_flops": peak,

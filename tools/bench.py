@@ -8,9 +8,9 @@ steps first; a training step's time is the median of the `steps` timed steps of 
 systems take turns `rounds` times).
 
 Precision: fp32, or bf16. The plain loops (ours and torchscale's) train pure bf16: parameters,
-gradients and AdamW's state in bf16, no fp32 master weights. DeepSpeed's bf16 mode (ZeRO 0 in a
-pipeline: its BF16_Optimizer) keeps bf16 parameters and gradients but fp32 master weights and
-optimizer state, so its "overhead" in bf16 includes those fp32 copies and the casts between them.
+gradients and AdamW's state in bf16, no fp32 master weights. DeepSpeed's engine runs bf16 as training
+does (ZeRO-1): bf16 parameters and gradients but fp32 master weights and optimizer state, so its
+"overhead" in bf16 includes those fp32 copies and the casts between them.
 """
 
 from __future__ import annotations
@@ -190,14 +190,15 @@ def init_single_process() -> None:
 
 def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
     """The plain loop's step as a DeepSpeed pipeline config: one stage, one micro-batch per step,
-    no activation checkpointing, torch's AdamW, no LR schedule, no gradient clipping."""
+    no activation checkpointing, torch's AdamW, no LR schedule, no gradient clipping. bf16 as training
+    runs it: ZeRO-1 (fp32 master weights; fathom refuses bf16 without ZeRO, which cannot resume)."""
     return {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},  # Adam type + adam_w_mode: AdamW
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": 1 if bf16 else 0},
         "bf16": {"enabled": bf16},
         "gradient_clipping": 0.0,
         "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},

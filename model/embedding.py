@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import PAD
+from model.dropout import Dropout
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,7 +68,7 @@ class Embedding(nn.Embedding):
             self.positions = nn.Embedding(learned_positions + padding_idx + 1, embed_dim, padding_idx=padding_idx)
             _normal_rows(self.positions, embed_dim**-0.5)
         self.scale = math.sqrt(embed_dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def position_embeddings(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         positions = positions_of(tokens, self.padding_idx, start)

@@ -14,6 +14,7 @@ from torch import nn
 
 from model.cache import AttentionCache, KeysValues, LayerCache
 from model.config import PAD, ModelConfig
+from model.dropout import Dropout
 from model.norms import Side, build_scheme
 
 
@@ -110,8 +111,8 @@ class TransformerLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, dim)
         self.final_layer_norm = scheme.layer_norm(dim)
         self.ffn_residual = scheme.residual(side)
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.activation_dropout = nn.Dropout(cfg.activation_dropout)
+        self.dropout = Dropout(cfg.dropout)
+        self.activation_dropout = Dropout(cfg.activation_dropout)
         scheme.init_layer(self, side)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 from model.config import EOS, NUM_SPECIAL, PAD, ModelConfig
+from model.dropout import Dropout
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention, attention
 from model.loss import label_smoothed_cross_entropy
@@ -160,3 +161,20 @@ def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
         plain = model.get_submodule(part.name)
         assert isinstance(flat, type(plain))
         assert {k: v.shape for k, v in flat.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+
+
+def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():
+    """fathom's CPU dropout (uniform floats >= p, not bernoulli_): the fraction kept is 1 - p, kept elements
+    are scaled by 1 / (1 - p) so the mean is unchanged, the gradient flows through the same mask, and
+    evaluation is the identity."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        dropout = Dropout(0.3).train()
+        x = torch.ones(400, 500, dtype=dtype, requires_grad=True)
+        y = dropout(x)
+        kept = y.ne(0)
+        assert abs(kept.float().mean().item() - 0.7) < 0.005
+        torch.testing.assert_close(y[kept].float(), torch.full((int(kept.sum()),), 1 / 0.7), rtol=0.01, atol=0)
+        y.sum().backward()
+        assert torch.equal(x.grad.ne(0), kept)
+        assert dropout.eval()(x) is x

@@ -6,7 +6,10 @@ Each sublayer's residual connection and normalization come from the configured n
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import shutil
 
 import torch
 import torch.nn.functional as F
@@ -152,3 +155,23 @@ class DecoderLayer(TransformerLayer):
             self.encoder_attn_layer_norm,
         )
         return self.ffn_residual(x, self.ffn, self.final_layer_norm)
+
+
+def compiler_missing() -> str | None:
+    """What torch.compile's inductor lacks to build kernels on this machine, or None: Triton on a GPU,
+    a C++ compiler on a CPU."""
+    if torch.cuda.is_available():
+        return None if importlib.util.find_spec("triton") else "Triton is not installed (pip install triton)"
+    cxx = os.environ.get("CXX", "g++")
+    return None if shutil.which(cxx) else f"no C++ compiler {cxx!r} on PATH (apt-get install g++)"
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Compiles the forward of every Transformer layer inside `model` with torch.compile (inductor), in
+    place; returns how many. Only forward is compiled: hooks stay eager, and parameter names, state dicts
+    and checkpoints do not change. Layers of one class share their compiled code (torch compiles a
+    module's parameters as inputs), so a deep stack compiles each kind of layer once per shape."""
+    layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)

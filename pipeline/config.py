@@ -99,6 +99,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
     grad_norm_interval: int = 0
+    # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
+    # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not self.save_dir.strip():

@@ -9,6 +9,7 @@ from pathlib import Path
 from corpus.batches import ParallelCorpus, check_budget
 from corpus.prepared import META_FILE
 from model.config import ConfigError
+from model.layers import compiler_missing
 from pipeline import admin, checkpoint_saving
 from pipeline.checkpoint import check_init_from, latest_tag
 from pipeline.config import RunConfig, build_corpus, resolve_run
@@ -31,6 +32,8 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
     before launching); raises ConfigError."""
     cfg, corpus = resolve_run(args.config, args.override, world_size)
+    if cfg.train.compile and (missing := compiler_missing()):
+        raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
     admin.check(cfg.model)
     check_fits(corpus, cfg)
     if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:

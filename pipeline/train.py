@@ -26,6 +26,7 @@ from corpus.batches import (
 )
 from corpus.prepared import BinarizedCorpus
 from model.config import exit_on_config_error
+from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from model.parts import TRANSFORMER_LAYERS
@@ -79,6 +80,8 @@ def build_pipeline(cfg: RunConfig) -> PipelineModule:
         module = CostBalancedPipeline(model=cfg.model, **options)
     else:
         module = PipelineModule(partition_method=cfg.partition, **options)
+    if cfg.train.compile:
+        compile_layers(module)
     # seed_layers also reseeds every forward from a counter that a resume restarts; dropout is
     # seeded per step by the loop instead, so turn it off once the layers are built.
     module.seed_layers = False
@@ -264,6 +267,9 @@ def run(
         done = record["step"]
         if guard.found is not None:
             guard.enforce(cfg.train.on_nonfinite, done, latest_tag(save_dir))
+        if rank == 0 and cfg.train.compile and done == first_step + 1:
+            seconds = time.perf_counter() - started
+            print(f"fathom: step {done} took {seconds:.1f} s, compiling the Transformer layers included", flush=True)
         if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
             print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)

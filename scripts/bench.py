@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=positive, default=5, help="timed steps (the median is reported)")
     parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps before them")
     parser.add_argument("--rounds", type=positive, default=1, help="the systems take turns this many times")
-    parser.add_argument("--compare", default="", help="comma-separated: torchscale, deepspeed")
+    parser.add_argument(
+        "--compare", default="", help="comma-separated: torchscale, deepspeed, compiled (our layers, torch.compile)"
+    )
     parser.add_argument("--matmul-sizes", type=positive_list, default=(1024, 2048), help="square matmuls for the peak")
     parser.add_argument("--threads", type=positive, help="torch threads for every measurement (default: torch's)")
     parser.add_argument(
@@ -110,6 +112,8 @@ def versus_fathom(r: Result) -> str:
         return f"fathom x{r.fathom_speedup:.2f}"
     if r.engine_overhead is not None:
         return f"overhead {r.engine_overhead:+.1%}"
+    if r.compile_speedup is not None:
+        return f"x{r.compile_speedup:.2f} eager"
     return ""
 
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from corpus.batches import MicroBatch, collate
 from model.config import NUM_SPECIAL, ConfigError, ModelConfig
+from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from model.transformer import Transformer
@@ -45,7 +46,7 @@ from pipeline.train import build_engine
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PEERS = ("torchscale", "deepspeed")  # what our plain loop ("fathom") can be compared with
+PEERS = ("torchscale", "deepspeed", "compiled")  # what our plain loop ("fathom") can be compared with
 # ds_configs/default.json's optimizer, here for both the plain loops and the engine.
 ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001}
 
@@ -88,6 +89,7 @@ class Result:
     per_layer_vs_shallowest: float = 1.0  # per_layer_s over this system's at the smallest depth
     fathom_speedup: float | None = None  # torchscale rows: our tokens/s over torchscale's
     engine_overhead: float | None = None  # deepspeed rows: engine step time over our plain loop's, minus 1
+    compile_speedup: float | None = None  # compiled rows: our eager step time over the compiled one's
 
 
 def time_steps(step: Step, warmup: int, steps: int) -> list[float]:
@@ -163,6 +165,14 @@ def fathom_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iter
 
 
 @contextlib.contextmanager
+def compiled_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+    """Our plain loop with every Transformer layer compiled (train.compile); the warmup steps compile."""
+    model = Transformer(cfg).to(dtype).train()
+    compile_layers(model)
+    yield plain_loop(model, model, batch)
+
+
+@contextlib.contextmanager
 def torchscale_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
     (src_tokens, prev_output_tokens), _ = batch
     model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2).to(dtype).train()
@@ -225,6 +235,7 @@ BUILDERS: dict[str, Callable[[ModelConfig, MicroBatch, torch.dtype], contextlib.
     "fathom": fathom_step,
     "torchscale": torchscale_step,
     "deepspeed": deepspeed_step,
+    "compiled": compiled_step,
 }
 
 
@@ -237,6 +248,8 @@ def check(bench: Bench) -> None:
     unknown = set(bench.peers) - set(PEERS)
     if unknown:
         raise ConfigError(f"--compare: unknown {', '.join(sorted(unknown))}; choose from {', '.join(PEERS)}")
+    if "compiled" in bench.peers and (missing := compiler_missing()):
+        raise ConfigError(f"--compare compiled: torch.compile cannot build kernels here: {missing}")
     if "torchscale" in bench.peers:
         if bench.model.norm_scheme not in TORCHSCALE_SCHEMES:
             raise ConfigError(
@@ -300,3 +313,5 @@ def compare(results: list[Result]) -> None:
             r.fathom_speedup = ours[r.depth].tokens_per_s / r.tokens_per_s
         elif r.system == "deepspeed":
             r.engine_overhead = r.step_s / ours[r.depth].step_s - 1
+        elif r.system == "compiled":
+            r.compile_speedup = ours[r.depth].step_s / r.step_s

@@ -1,0 +1,70 @@
+"""train.compile: Transformer layers compiled with torch.compile train as the eager ones do, in the
+pipeline engine with activation checkpointing; without a compiler it is one line before launch."""
+
+import math
+
+import pytest
+import torch
+
+from model.config import ConfigError, ModelConfig
+from model.layers import compile_layers
+from model.transformer import Transformer
+from pipeline import preflight
+from pipeline.train import parse_args
+from tests.conftest import ROOT, final_layers, launch, logged_steps
+
+DEFAULT = ROOT / "ds_configs" / "default.json"
+
+
+def test_compiled_layers_compute_what_eager_layers_compute():
+    """Single process, two sentence lengths (the second compiles for dynamic shapes): the same logits
+    and gradients, and the same parameter names (checkpoints do not change)."""
+    cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln", dropout=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    eager, compiled = Transformer(cfg), Transformer(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_layers(compiled) == 4
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    for length in (5, 8):
+        src, prev = torch.randint(4, 20, (3, length)), torch.randint(4, 20, (3, length))
+        for model in (eager, compiled):
+            model.zero_grad()
+            model(src, prev).square().mean().backward()
+        torch.testing.assert_close(compiled(src, prev), eager(src, prev), rtol=1e-5, atol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compile_without_a_compiler_is_one_line(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = parse_args(["--config", str(DEFAULT), "--override", "train.compile=true"])
+    with pytest.raises(ConfigError) as err:
+        preflight.check_run(args, 2)
+    assert str(err.value).startswith("train.compile: torch.compile cannot build kernels here: no C++ compiler")
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones_at_two_stages(tmp_path):
+    """The default job (2 stages, ZeRO-1, activation checkpointing every layer, BranchNorm) without
+    dropout, 3 steps, eager and compiled: the same losses and gradient norms, and the same weights, to
+    float tolerance. (With dropout the two draw different masks: inductor has its own random numbers.)"""
+    runs = {}
+    for compiled in ("false", "true"):
+        save_dir = tmp_path / f"compile-{compiled}"
+        overrides = [f"train.save_dir={save_dir}", "train.max_steps=3", "train.save_interval=3",
+                     "model.dropout=0", f"train.compile={compiled}"]  # fmt: skip
+        result = launch(ROOT / "scripts" / "train.py", "--config", str(DEFAULT), "--override", *overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[compiled] = save_dir
+    eager, compiled = (logged_steps(runs[c]) for c in ("false", "true"))
+    assert [r["step"] for r in eager] == [r["step"] for r in compiled] == [1, 2, 3]
+    for a, b in zip(eager, compiled, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-4), (key, a, b)
+    eager_layers, compiled_layers = final_layers(runs["false"]), final_layers(runs["true"])
+    assert list(eager_layers) == list(compiled_layers)
+    for name, state in eager_layers.items():
+        for key, value in state.items():
+            torch.testing.assert_close(compiled_layers[name][key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")

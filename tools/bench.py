@@ -48,7 +48,7 @@ from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchsc
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("torchscale", "deepspeed", "compiled")  # what our plain loop ("fathom") can be compared with
 # ds_configs/default.json's optimizer, here for both the plain loops and the engine.
-ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001}
+ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001, "fused": True}
 
 Step = Callable[[], object]
 

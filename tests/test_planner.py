@@ -33,18 +33,25 @@ def config(*overrides: str):
 
 
 @pytest.mark.parametrize(
-    "precision, zero, per_param, step",
+    "precision, zero, fused, per_param, step",
     [
-        ("fp32", 0, 4 + 4 + 8, 4),  # the all-reduce's flat copy, with 2 data-parallel ranks
-        ("fp32", 1, 4 + 4 + 12 / 2, 12 / 2),
-        ("bf16", 1, 2 + 2 + 12 / 2, 12 / 2),
+        ("fp32", 0, True, 4 + 4 + 8, 4),  # the all-reduce's flat copy, with 2 data-parallel ranks
+        # ZeRO-1 flattens every gradient (4 or 2 bytes) and at the step holds its partition's fp32
+        # gradients (4 / 2) and, unless AdamW is fused, its sqrt and division temporaries (8 / 2)
+        ("fp32", 1, True, 4 + 4 + 12 / 2, 4),
+        ("fp32", 1, False, 4 + 4 + 12 / 2, 12 / 2),
+        ("bf16", 1, True, 2 + 2 + 12 / 2, 4 / 2),
     ],
 )
-def test_model_states_by_hand(precision, zero, per_param, step):
+def test_model_states_by_hand(precision, zero, fused, per_param, step):
     """d 8, f 16, vocab 10, untied: encoder layer 4 x (64 + 8) + (128 + 16) + (128 + 8) + 2 LayerNorms
     x 16 = 600; the decoder layer adds an attention and a LayerNorm: 904; three 10 x 8 tables: 240.
     Bytes per parameter: weights + gradients + the optimizer state (ZeRO-1: over 2 data-parallel ranks)."""
-    cfg = config(f"bf16.enabled={str(precision == 'bf16').lower()}", f"zero_optimization.stage={zero}")
+    cfg = config(
+        f"bf16.enabled={str(precision == 'bf16').lower()}",
+        f"zero_optimization.stage={zero}",
+        f"optimizer.params.fused={str(fused).lower()}",
+    )
     (stage,) = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), stages=1, data_parallel=2)
     assert stage.params == 1744
     assert stage.model_states == int(1744 * per_param)

@@ -18,6 +18,7 @@ kernel and precision), and that scales with the sentences of a micro-batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import re
@@ -88,7 +89,12 @@ class StageEstimate:
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
-    return STATE_BYTES[precision(cfg), cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)]
+    per_param = STATE_BYTES[precision(cfg), cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)]
+    params = cfg.deepspeed.get("optimizer", {}).get("params", {})
+    if params.get("torch_adam") and params.get("fused"):
+        # torch's fused AdamW updates in place: of the step's temporaries only the flat fp32 gradients remain
+        return dataclasses.replace(per_param, step=min(per_param.step, 4))
+    return per_param
 
 
 def estimate_stages(

@@ -159,18 +159,24 @@ def smallest_stage_count(
     device: str = "gpu",
 ) -> int | None:
     """The fewest stages whose every peak fits in `memory` bytes (None: not even one Transformer
-    layer per stage). Peaks shrink as stages grow, so a doubling search and a bisection suffice."""
+    layer per stage). The first stage holds min(stages, micro-batches) micro-batches in flight, so up
+    to the micro-batch count more stages can need more memory (without activation checkpointing its
+    activations stay those of about every layer): those counts are tried one by one. From there on
+    peaks shrink as stages grow, and a doubling search and a bisection suffice."""
 
     def fits(stages: int) -> bool:
         return max(s.peak for s in estimate_stages(cfg, traces, shape, stages, data_parallel, device)) <= memory
 
     most = cfg.model.encoder_layers + cfg.model.decoder_layers
-    high = 1
-    while not fits(high):
+    low = min(cfg.deepspeed.get("gradient_accumulation_steps", 1), most)
+    for stages in range(1, low + 1):
+        if fits(stages):
+            return stages
+    high = low  # low: the most stages known not to fit
+    while not fits(high := min(2 * high, most)):
         if high == most:
             return None
-        high = min(2 * high, most)
-    low = high // 2  # does not fit (or 0)
+        low = high
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)

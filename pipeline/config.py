@@ -102,6 +102,9 @@ class TrainConfig:
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
     compile: bool = False
+    # Each pipeline instruction's time (forward, backward, sends and receives, ...) per step and rank to
+    # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/time_breakdown.py).
+    time_breakdown: bool = False
 
     def __post_init__(self) -> None:
         if not self.save_dir.strip():

@@ -86,6 +86,15 @@ def set_checkpoint_engine(engine: deepspeed.PipelineEngine, writer: CheckpointEn
     engine.checkpoint_engine = writer
 
 
+def time_instructions(engine: deepspeed.PipelineEngine, timed: Callable[[str, Callable], Callable]) -> list[str]:
+    """Runs each pipeline instruction of this engine (ForwardPass, SendActivation, ...) through
+    `timed(name, method)`; returns the instruction names. The engine looks its instructions up in a
+    class-level map, which an instance attribute shadows, so other engines are untouched."""
+    instructions = type(engine)._INSTRUCTION_MAP
+    engine._INSTRUCTION_MAP = {kind: timed(kind.__name__, method) for kind, method in instructions.items()}
+    return [kind.__name__ for kind in instructions]
+
+
 def clear_pipe_buffers(engine: deepspeed.PipelineEngine) -> None:
     """Drops the last step's activations and outputs, whose autograd graph holds the engine's hooks."""
     for buffer in engine.pipe_buffers.values():

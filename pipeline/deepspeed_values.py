@@ -51,6 +51,11 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
     _require_int(pipeline, "activation_checkpoint_interval", minimum=0, section="pipeline.")
     _require_int(ds, "steps_per_print")
+    if ds.get("wall_clock_breakdown"):
+        raise ConfigError(
+            "wall_clock_breakdown: DeepSpeed's pipeline engine fails with it (a timer started twice); "
+            "set train.time_breakdown=true for each pipeline instruction's time per step"
+        )
     clipping = ds.get("gradient_clipping", 0.0)
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")

@@ -6,6 +6,7 @@ deepspeed --num_gpus S scripts/train.py --config ds_configs/NAME.json [--overrid
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -46,6 +47,7 @@ from pipeline.preflight import check_run
 from pipeline.rundir import RunDirectory
 from pipeline.stability import GRAD_NORMS_FILE, NonFiniteError, StabilityGuard, exit_on_nonfinite
 from pipeline.stopping import stop_on_signals
+from pipeline.time_breakdown import TimeBreakdown
 from pipeline.validation import Best, Validation, validation_line
 from pipeline.watchdog import Watchdog
 from pipeline.world import check_mpi_discovery, launched_world
@@ -249,6 +251,7 @@ def run(
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
     guard = StabilityGuard(engine, cfg.model, interval, grad_norms.write)
+    breakdown = TimeBreakdown(engine, save_dir, engine.global_steps) if cfg.train.time_breakdown else None
     started, first_step = time.perf_counter(), engine.global_steps
     if first_step >= cfg.train.max_steps and rank == 0:
         print(
@@ -262,7 +265,8 @@ def run(
         for hook in hooks:
             hook(t)
         torch.manual_seed(step_seed(cfg.train.seed, step, rank))
-        record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(t), **guard.step_record()}
+        with breakdown.step() if breakdown else contextlib.nullcontext():
+            record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(t), **guard.step_record()}
         metrics.write(record)
         done = record["step"]
         if guard.found is not None:
@@ -286,6 +290,8 @@ def run(
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
             checkpoint_saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+    if breakdown and rank == 0:
+        print("\n".join(breakdown.summary()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

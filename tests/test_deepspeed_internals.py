@@ -23,6 +23,7 @@ from pipeline.deepspeed_internals import (
     replace_model_step,
     stage_layers,
     stage_range,
+    time_instructions,
     zero_gradient_slice,
     zero_sharded,
 )
@@ -77,12 +78,25 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
         original(*args, **kwargs)
 
     original = replace_model_step(engine, step)
+    ran = []
+
+    def timed(name, method):
+        def run(engine, **kwargs):
+            ran.append(name)
+            method(engine, **kwargs)
+
+        return run
+
+    names = time_instructions(engine, timed)
     batch = synthetic_batch(20, batch=2, src_len=5, tgt_len=5)
     before = [p.detach().clone() for p in engine.module.parameters()]
     engine.train_batch(data_iter=itertools.repeat(batch))
     assert len(slices) == 1 and any(
         not torch.equal(a, p) for a, p in zip(before, engine.module.parameters(), strict=True)
     )
+    assert {"ForwardPass", "BackwardPass", "SendActivation", "RecvGrad", "OptimizerStep"} <= set(names)
+    # one stage: load, forward, backward, the reductions and the step, each through `timed`
+    assert ran == ["LoadMicroBatch", "ForwardPass", "BackwardPass", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
     assert loss_scale(engine) == 1.0  # fp32
     assert all(zero_sharded(p) for p in params)
     assert sum(s.numel() for s in slices[0]) == sum(p.numel() for p in params)  # one rank holds every slice

@@ -172,10 +172,6 @@ def compile_layers(model: nn.Module) -> int:
     and checkpoints do not change. Layers of one class share their compiled code (torch compiles a
     module's parameters as inputs), so a deep stack compiles each kind of layer once per shape."""
     layers = [module for module in model.modules() if isinstance(module, TransformerLayer)]
-    # A pipeline stage that sends two float tensors on (a decoder layer's output and encoder_out) runs
-    # backward once per tensor, all but the last with retain_graph, and a compiled backward that donates
-    # its saved buffers refuses that ("non-empty donated buffers"): the option torch's error names.
-    torch._functorch.config.donated_buffer = False
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
     return len(layers)

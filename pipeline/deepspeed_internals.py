@@ -8,11 +8,13 @@ on a real engine of the installed DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import deepspeed
+import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from torch import Tensor, nn
@@ -86,13 +88,64 @@ def set_checkpoint_engine(engine: deepspeed.PipelineEngine, writer: CheckpointEn
     engine.checkpoint_engine = writer
 
 
-def time_instructions(engine: deepspeed.PipelineEngine, timed: Callable[[str, Callable], Callable]) -> list[str]:
-    """Runs each pipeline instruction of this engine (ForwardPass, SendActivation, ...) through
-    `timed(name, method)`; returns the instruction names. The engine looks its instructions up in a
-    class-level map, which an instance attribute shadows, so other engines are untouched."""
-    instructions = type(engine)._INSTRUCTION_MAP
-    engine._INSTRUCTION_MAP = {kind: timed(kind.__name__, method) for kind, method in instructions.items()}
+def wrap_instructions(engine: deepspeed.PipelineEngine, wrap: Callable[[str, Callable], Callable]) -> list[str]:
+    """Runs each pipeline instruction of this engine (ForwardPass, SendActivation, ...) through what
+    `wrap(name, method)` returns; returns the instruction names. The engine looks its instructions up
+    in a class-level map, which an instance attribute shadows: other engines are untouched, and a
+    second wrap wraps the first."""
+    instructions = engine._INSTRUCTION_MAP
+    engine._INSTRUCTION_MAP = {kind: wrap(kind.__name__, method) for kind, method in instructions.items()}
     return [kind.__name__ for kind in instructions]
+
+
+def backward_in_one_call(engine: deepspeed.PipelineEngine) -> None:
+    """A stage that sends several float tensors on (the stage where the encoder ends sends the decoder
+    state and encoder_out) gets their gradients back, and DeepSpeed's BackwardPass runs one backward per
+    tensor, all but the last with retain_graph. The decoder state depends on encoder_out, so the
+    encoder's backward ran twice, doubling that stage's backward. Here those calls are collected into
+    one torch.autograd.backward over all the tensors: each node runs once, on the summed gradient."""
+
+    def wrap(name: str, method: Callable) -> Callable:
+        if name != "BackwardPass":
+            return method
+
+        def backward_pass(engine: deepspeed.PipelineEngine, **kwargs: Any) -> None:
+            if engine.is_last_stage():  # one loss, one call
+                return method(engine, **kwargs)
+            with tensor_backwards_joined():
+                method(engine, **kwargs)
+
+        return backward_pass
+
+    wrap_instructions(engine, wrap)
+
+
+@contextlib.contextmanager
+def tensor_backwards_joined() -> Iterator[None]:
+    """Within the block, Tensor.backward calls that retain the graph are held, and run together with the
+    next call that does not (or at the block's end) as one torch.autograd.backward."""
+    held: list[tuple[Tensor, Tensor | None]] = []
+    tensor_backward = torch.Tensor.backward
+
+    def run_held() -> None:
+        tensors, gradients = zip(*held, strict=True)
+        held.clear()
+        torch.autograd.backward(tensors, gradients)
+
+    def backward(tensor: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None, **kwargs: Any):
+        if kwargs:  # create_graph or inputs: not DeepSpeed's per-output pattern
+            return tensor_backward(tensor, gradient, retain_graph, **kwargs)
+        held.append((tensor, gradient))
+        if not retain_graph:
+            run_held()
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+        if held:
+            run_held()
+    finally:
+        torch.Tensor.backward = tensor_backward
 
 
 def clear_pipe_buffers(engine: deepspeed.PipelineEngine) -> None:

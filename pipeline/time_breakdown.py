@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from pipeline.deepspeed_internals import time_instructions
+from pipeline.deepspeed_internals import wrap_instructions
 from pipeline.logs import MetricsLog
 
 TIME_BREAKDOWN_FILE = "time_breakdown.jsonl"
@@ -40,7 +40,7 @@ class TimeBreakdown:
 
     def __init__(self, engine: deepspeed.PipelineEngine, save_dir: Path, resume_step: int):
         self.engine, self.rank = engine, dist.get_rank()
-        self.names = [snake_case(name) for name in time_instructions(engine, self._timed)]
+        self.names = [snake_case(name) for name in wrap_instructions(engine, self._timed)]
         self.seconds = dict.fromkeys(self.names, 0.0)
         self.log = MetricsLog(save_dir / TIME_BREAKDOWN_FILE, self.rank == 0, resume_step)
         self.records: list[dict[str, Any]] = []

@@ -34,7 +34,7 @@ from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin, checkpoint_saving
 from pipeline.checkpoint import CONFIG_FILE, checkpoint_dir, latest_tag, schedule_step, write_dictionaries
 from pipeline.config import RunConfig
-from pipeline.deepspeed_internals import checkpoint_engine
+from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
 from pipeline.deepspeed_values import precision_warning
 from pipeline.distributed import init_distributed
 from pipeline.durable import write_atomic
@@ -102,6 +102,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
+    backward_in_one_call(engine)
     checkpoint_saving.install(engine)
     return engine
 

@@ -23,7 +23,8 @@ from pipeline.deepspeed_internals import (
     replace_model_step,
     stage_layers,
     stage_range,
-    time_instructions,
+    tensor_backwards_joined,
+    wrap_instructions,
     zero_gradient_slice,
     zero_sharded,
 )
@@ -87,7 +88,7 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
 
         return run
 
-    names = time_instructions(engine, timed)
+    names = wrap_instructions(engine, timed)
     batch = synthetic_batch(20, batch=2, src_len=5, tgt_len=5)
     before = [p.detach().clone() for p in engine.module.parameters()]
     engine.train_batch(data_iter=itertools.repeat(batch))
@@ -118,3 +119,33 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_backward_calls_that_retain_the_graph_run_as_one():
+    """DeepSpeed's per-output pattern (all but the last output with retain_graph) inside
+    tensor_backwards_joined: the shared part of the graph runs backward once, and the gradients are
+    those of the two calls."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    runs = []
+
+    def outputs():
+        shared = x * 2
+        shared.register_hook(lambda grad: runs.append(1))
+        encoder_out = shared.tanh()
+        return encoder_out.sin() * 3, encoder_out  # the decoder state depends on encoder_out
+
+    gradients = torch.randn(4, 3), torch.randn(4, 3)
+    y, e = outputs()
+    y.backward(gradients[0], retain_graph=True)
+    e.backward(gradients[1])
+    expected, x.grad = x.grad, None
+    assert len(runs) == 2
+    runs.clear()
+    y, e = outputs()
+    with tensor_backwards_joined():
+        y.backward(gradients[0], retain_graph=True)
+        assert x.grad is None and not runs  # held until the last output's call
+        e.backward(gradients[1])
+    assert len(runs) == 1
+    torch.testing.assert_close(x.grad, expected)

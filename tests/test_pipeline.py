@@ -152,6 +152,20 @@ def test_each_rank_builds_only_its_own_stage(parity_runs):
         assert rank["built"] == len(own) > 0, rank
 
 
+def test_each_layer_runs_backward_once_per_micro_batch(parity_runs):
+    """Stage 0 holds the encoder and the first decoder layer, so it sends the decoder state and
+    encoder_out on; DeepSpeed's backward, one call per tensor, ran the encoder's backward twice per
+    micro-batch there (pipeline/deepspeed_internals.backward_in_one_call). Every Transformer-layer
+    parameter of both stages now accumulates exactly one gradient per micro-batch."""
+    config, out, _ = parity_runs
+    micro_batches = json.loads(config.read_text())["gradient_accumulation_steps"]
+    for case in CASES:
+        ranks = [json.loads((out / case / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["layer_kinds"] == ["DecoderLayerPipe", "EncoderLayerPipe"], ranks[0]  # the mixed stage
+        for rank in ranks:
+            assert rank["gradient_accumulations"] == [micro_batches], (case, rank)
+
+
 def metrics(save_dir):
     return [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -54,6 +54,20 @@ def counting_layer_builds() -> Iterator[Counter]:
             cls.__init__ = init
 
 
+@contextmanager
+def counting_gradient_accumulations(layers: list) -> Iterator[Counter]:
+    """How often autograd accumulated a gradient into each Transformer-layer parameter of this stage."""
+    counts: Counter = Counter()
+    params = [(f"{i}.{name}", p) for i, layer in enumerate(layers) for name, p in layer.named_parameters()]
+    handles = [p.register_post_accumulate_grad_hook(lambda _, key=key: counts.update([key])) for key, p in params]
+    counts.update({key: 0 for key, _ in params})
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def main():
     init_distributed()
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
@@ -73,10 +87,18 @@ def main():
         ScheduleHook(engine.module)(STEP)
         engine.save_checkpoint(str(save_dir), tag="before")
         data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
-        loss = engine.train_batch(data_iter=data)
+        mine = [m for m in engine.module.modules() if isinstance(m, EncoderLayerPipe | DecoderLayerPipe)]
+        with counting_gradient_accumulations(mine) as accumulated:
+            loss = engine.train_batch(data_iter=data)
         engine.save_checkpoint(str(save_dir), tag="after")
         held = stage_range(engine.module)
-        layers = {"start": held.start, "stop": held.stop, "built": sum(built.values())}
+        layers = {
+            "start": held.start,
+            "stop": held.stop,
+            "built": sum(built.values()),
+            "layer_kinds": sorted({type(layer).__name__ for layer in mine}),
+            "gradient_accumulations": sorted(set(accumulated.values())),
+        }
         (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
         ScheduleHook(engine.module)(engine.global_steps)  # as load_reference sets the "after" weights
         valid = build_corpus(cfg, "valid")

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "workers" / "crash_train.py"
 STEPS = 36
 OVERRIDES = [
+    "pipeline.activation_checkpoint_interval=1",  # its recomputation must redraw the same dropout masks
     "model.encoder_layers=2",
     "model.decoder_layers=2",
     "model.branchnorm.T=20",  # alpha moves on every step of the run

@@ -21,9 +21,10 @@ from tests.conftest import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "faults.py"
-# default.json (BranchNorm, ZeRO-1, activation checkpointing, Adam with warm-up, gradient clipping),
+# default.json (BranchNorm, ZeRO-1, Adam with warm-up, gradient clipping) with activation checkpointing,
 # small, without dropout so that the single-process model replays a step exactly
 SMALL = [
+    "pipeline.activation_checkpoint_interval=1",
     "model.encoder_layers=2", "model.decoder_layers=2", "model.embed_dim=32", "model.ffn_dim=64",
     "model.dropout=0", "data.synthetic.sentences=200", "train.log_interval=1",
 ]  # fmt: skip

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 from model.config import EOS, NUM_SPECIAL, PAD, ModelConfig
-from model.dropout import Dropout
+from model.dropout import Dropout, keep_mask
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention, attention
 from model.loss import label_smoothed_cross_entropy
@@ -164,13 +164,13 @@ def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
 
 
 def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():
-    """fathom's CPU dropout (uniform floats >= p, not bernoulli_): the fraction kept is 1 - p, kept elements
-    are scaled by 1 / (1 - p) so the mean is unchanged, the gradient flows through the same mask, and
-    evaluation is the identity."""
+    """fathom's CPU dropout (16-bit slices of 64-bit random integers, not bernoulli_): the fraction kept is
+    1 - p, kept elements are scaled by 1 / (1 - p) so the mean is unchanged, the gradient flows through the
+    same mask, and evaluation is the identity."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         dropout = Dropout(0.3).train()
-        x = torch.ones(400, 500, dtype=dtype, requires_grad=True)
+        x = torch.ones(400, 501, dtype=dtype, requires_grad=True)  # not a multiple of 4 elements
         y = dropout(x)
         kept = y.ne(0)
         assert abs(kept.float().mean().item() - 0.7) < 0.005
@@ -178,3 +178,19 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():
         y.sum().backward()
         assert torch.equal(x.grad.ne(0), kept)
         assert dropout.eval()(x) is x
+
+
+def test_dropout_masks_are_independent_between_neighbours_and_follow_the_seed():
+    """Four neighbouring elements share one 64-bit draw: each of the four positions, and each pair of
+    neighbours, must still be kept at 1 - p and (1 - p)^2, or a sign bit left at 0 would show here."""
+    torch.manual_seed(1)
+    keep = keep_mask(torch.Size([1 << 20]), 0.5).view(-1, 4).float()
+    for position in range(4):
+        assert abs(keep[:, position].mean().item() - 0.5) < 0.005
+    for a, b in ((0, 1), (1, 2), (2, 3), (3, 0)):
+        assert abs((keep[:, a] * keep[:, b]).mean().item() - 0.25) < 0.005
+    assert abs(keep_mask(torch.Size([1 << 20]), 0.1).float().mean().item() - 0.9) < 0.002
+    torch.manual_seed(2)
+    first = keep_mask(torch.Size([3, 5]), 0.3)
+    torch.manual_seed(2)
+    assert torch.equal(keep_mask(torch.Size([3, 5]), 0.3), first)

@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 from model.config import ConfigError
 from pipeline.config import TrainConfig
-from pipeline.heap import return_freed_tensors
+from pipeline.heap import set_training_heap
 from pipeline.watchdog import backend_timeout
 from pipeline.world import cpu_threads, master_port
 
 
-def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
-    """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing."""
+def init_distributed(hang_timeout: float = TrainConfig.hang_timeout, cpu_heap: str = TrainConfig.cpu_heap) -> None:
+    """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing,
+    with glibc's heap as train.cpu_heap says."""
     try:
         deepspeed.init_distributed(
             dist_backend="nccl" if torch.cuda.is_available() else "gloo",
@@ -33,7 +34,7 @@ def init_distributed(hang_timeout: float = TrainConfig.hang_timeout) -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads())
         release_shm_buffer()
-        return_freed_tensors()
+        set_training_heap(cpu_heap)
 
 
 def shm_buffer() -> Path:

@@ -1,9 +1,11 @@
-"""glibc's heap settings, for the two kinds of work a CPU process does.
+"""glibc's heap settings for a CPU process: freed blocks kept for reuse, or handed back to the system.
 
-Training frees large blocks rarely and its memory peak matters: freed blocks go back to the system.
-Beam search frees and allocates blocks of a few MiB at every output position: handed back and mapped
-afresh each time, their page faults made decoding 1.5-1.8x slower (the Multi30k model inside a
-training run), so while decoding they stay in the heap. GPU memory is CUDA's and unaffected.
+A training step and a beam-search position both free and allocate the same large blocks again and
+again. Handed back and mapped afresh each time, every page of them faults in anew: beam search ran
+1.5-1.8x slower (the Multi30k model inside a training run), and a training step of 6L-6L d 512
+1.2x slower in fp32 and 1.5x in bf16 (docs/BENCHMARKS.md). Kept in the heap, they cost a higher peak
+instead (1.2-1.4x the resident memory). Training chooses with `train.cpu_heap`; decoding always keeps
+them. GPU memory is CUDA's and unaffected.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from contextlib import contextmanager
 import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-RETURNED_BLOCKS = 128 * 1024  # bytes: training hands freed blocks larger than this back to the system
-DECODING_BLOCKS = 64 * 1024 * 1024  # while decoding, blocks up to this size stay in the heap
-DECODING_TRIM = 1024 * 1024 * 1024  # and free memory at the heap's top up to this much
+RETURNED_BLOCKS = 128 * 1024  # bytes: "return" hands freed blocks larger than this back to the system
+KEPT_BLOCKS = 64 * 1024 * 1024  # "keep" (and decoding): blocks up to this size stay in the heap
+KEPT_TRIM = 1024 * 1024 * 1024  # and free memory at the heap's top up to this much
 
 
 def _set(mmap_threshold: int, trim_threshold: int) -> None:
@@ -32,25 +34,37 @@ def _set(mmap_threshold: int, trim_threshold: int) -> None:
 
 
 def return_freed_tensors() -> None:
-    """glibc raises its mmap threshold as large blocks are freed, after which freed tensors stay in
-    its heap: a CPU run then peaks ~20% above the bytes it uses (measured on a 44M-parameter ZeRO-1
-    run: 1.71 vs 1.40 GiB). Fixed thresholds hand every block over 128 KiB back when freed."""
+    """Every freed block over 128 KiB goes back to the system: the process holds what it uses, which is
+    what the memory planner predicts (a 44M-parameter ZeRO-1 run peaked at 1.40 GiB, against 1.71
+    with glibc's own thresholds), at the price of page faults on every block allocated again."""
     _set(RETURNED_BLOCKS, RETURNED_BLOCKS)
 
 
 def keep_freed_blocks() -> None:
-    """For a process that decodes: freed blocks stay in the heap for the next position's tensors."""
-    _set(DECODING_BLOCKS, DECODING_TRIM)
+    """Freed blocks up to 64 MiB stay in the heap for the next step's (or position's) tensors."""
+    _set(KEPT_BLOCKS, KEPT_TRIM)
+
+
+CPU_HEAPS = {"keep": keep_freed_blocks, "return": return_freed_tensors}  # train.cpu_heap's choices
+_training_heap = "keep"
+
+
+def set_training_heap(choice: str) -> None:
+    """The heap a training process runs with (train.cpu_heap); decoding inside it comes back to it."""
+    global _training_heap
+    _training_heap = choice
+    CPU_HEAPS[choice]()
 
 
 def decoding_env() -> dict[str, str]:
     """keep_freed_blocks' settings for a child process (glibc reads them at start-up)."""
-    return {"MALLOC_MMAP_THRESHOLD_": str(DECODING_BLOCKS), "MALLOC_TRIM_THRESHOLD_": str(DECODING_TRIM)}
+    return {"MALLOC_MMAP_THRESHOLD_": str(KEPT_BLOCKS), "MALLOC_TRIM_THRESHOLD_": str(KEPT_TRIM)}
 
 
 @contextmanager
 def heap_for_decoding() -> Iterator[None]:
-    """Decoding inside a training process on CPUs: blocks stay in the heap while it runs, then go back."""
+    """Decoding inside a training process on CPUs: blocks stay in the heap while it runs, then the
+    training heap's setting comes back."""
     if torch.cuda.is_available():
         yield
         return
@@ -58,4 +72,4 @@ def heap_for_decoding() -> Iterator[None]:
     try:
         yield
     finally:
-        return_freed_tensors()
+        CPU_HEAPS[_training_heap]()

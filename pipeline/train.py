@@ -198,7 +198,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
 
 
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
-    init_distributed(cfg.train.hang_timeout)
+    init_distributed(cfg.train.hang_timeout, cfg.train.cpu_heap)
     baseline_memory = current_bytes()
     rank = dist.get_rank()
     save_dir = RunDirectory(Path(cfg.train.save_dir), rank)

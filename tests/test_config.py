@@ -157,6 +157,7 @@ VALUES = {
     "train.save_dir=~/runs/a": "train.save_dir: '~/runs/a' starts with ~, which a config does not expand",
     "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
     "train.max_steps=0": "train.max_steps: must be at least 1, got 0",  # trained nothing, exit 0
+    "train.cpu_heap=fast": "train.cpu_heap: must be keep or return, got 'fast'",
     "train.init_step=5": "train.init_step: 5; it is the step train.init_from's weights start at",
     # DeepSpeed warned (silenced) and warmed up by log instead
     "scheduler.params.warmup_type=lienar": "scheduler.params.warmup_type: 'lienar'; choose one of linear, log",

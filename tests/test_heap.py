@@ -1,0 +1,44 @@
+"""train.cpu_heap: what glibc does with a CPU training process's freed tensors (pipeline/heap.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+
+# Allocates 200 tensors of 1 MiB, frees them, and prints how much of that the process still holds;
+# a validation pass's decoding (heap_for_decoding) runs first, and must hand the training choice back.
+FREED_AND_HELD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from pipeline.heap import heap_for_decoding, set_training_heap
+
+    def resident_mib():
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * 4096 / 2**20
+
+    set_training_heap(sys.argv[1])
+    with heap_for_decoding():
+        torch.ones(1 << 20).sum()
+    before = resident_mib()
+    blocks = [torch.ones(1 << 18) for _ in range(200)]
+    del blocks
+    print(resident_mib() - before)
+    """
+)
+
+
+@pytest.mark.parametrize("choice, held", [("keep", (150, 260)), ("return", (-50, 50))])
+def test_freed_tensors_stay_in_the_heap_or_go_back_to_the_system(choice, held):
+    """With "keep" the 200 MiB just freed stay resident for the next step's tensors (no page faults);
+    with "return" they go back to the system, so the process holds what it uses, as the planner predicts."""
+    result = subprocess.run(
+        [sys.executable, "-c", FREED_AND_HELD, choice], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    low, high = held
+    assert low <= float(result.stdout) <= high, result.stdout

@@ -122,10 +122,10 @@ class TrainConfig:
             least = 1 if key in ("max_steps", "save_interval", "log_interval") else 0
             if getattr(self, key) < least:
                 raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
-        # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
-        # scheduling delays or filesystem lag for a stopped rank.
         if self.cpu_heap not in CPU_HEAPS:
             raise ConfigError(f"train.cpu_heap: must be {' or '.join(CPU_HEAPS)}, got {self.cpu_heap!r}")
+        # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
+        # scheduling delays or filesystem lag for a stopped rank.
         if not self.hang_timeout >= 10:  # also refuses NaN
             raise ConfigError(f"train.hang_timeout: must be at least 10 seconds, got {self.hang_timeout:g}")
         if not 0.0 <= self.label_smoothing < 1.0:

@@ -144,15 +144,17 @@ def check_held_out(splits: list[Split], prefixes: dict[str, str]) -> None:
 
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    check_output_dir(out, args.force, META_FILE, [args.train, args.valid, *args.test])
     if args.src == args.tgt:
         raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
+    prefixes = {"train": args.train, "valid": args.valid}
+    prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
+    # the files themselves too: a prefix's file may be a link into --out
+    files = [find_file(prefix, lang) for prefix in prefixes.values() for lang in (args.src, args.tgt)]
+    check_output_dir(out, args.force, META_FILE, [*prefixes.values(), *files])
     if args.vocab_size < 8:
         raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
     if args.max_len < 1:
         raise ConfigError(f"--max-len: must be at least 1 piece, got {args.max_len}")
-    prefixes = {"train": args.train, "valid": args.valid}
-    prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
     splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
     check_held_out(splits, prefixes)
     train = splits[0]

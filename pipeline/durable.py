@@ -4,6 +4,7 @@ leaves the old file or a one-line error naming the file, never a partial file th
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -18,6 +19,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def unique_sibling(path: Path) -> Path:
+    """A hidden name beside `path` that no other writer picks: two processes writing one output at once
+    each rename their own complete file into place, instead of one renaming the other's away."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Readers see the old content or the new, never a partial file, whenever the writer dies. A link's
     target is replaced, not the link; a device or pipe (--output /dev/stdout) is written in place."""
@@ -28,9 +35,9 @@ def write_atomic(path: Path, text: str | bytes) -> None:
                 f.write(text)
             return
         path = Path(os.path.realpath(path))
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = unique_sibling(path)
         try:
-            with open(tmp, mode) as f:
+            with open(tmp, mode.replace("w", "x")) as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +19,13 @@ def check_makeable(out: Path, name: str) -> None:
     its nearest existing ancestor, which leaves nothing behind. `name`: the option that gave it."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{name}: {out} is a file; choose a directory")
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    chain = (out.absolute(), *out.absolute().parents)
+    if dangling := next((p for p in chain if p.is_symlink() and not p.exists()), None):
+        raise ConfigError(
+            f"{name}: {dangling} is a link to {os.readlink(dangling)}, which does not exist; create that "
+            "directory, or remove the link"
+        )
+    existing = next(p for p in chain if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{name}: {existing} is a file, so {out} cannot be made; choose another")
     check_writable_folder(existing, f"{name}:")
@@ -33,9 +39,10 @@ def check_writable_folder(folder: Path, name: str) -> None:
         raise ConfigError(f"{name} cannot write in {folder} ({err.strerror}); choose another") from None
 
 
-def check_writable_file(path: Path, name: str) -> None:
+def check_writable_file(path: Path, name: str, inputs: Mapping[str, str | Path | None] | None = None) -> None:
     """`path` can be written (atomically, beside itself): not a directory, in a directory that takes new
-    files. Checked before the work that produces it."""
+    files, and none of the command's `inputs` (what reads them: path). Checked before the work that
+    produces it."""
     if path.is_dir():
         raise ConfigError(f"{name} {path}: is a directory; name a file")
     if path.exists() and not path.is_file():  # a device or pipe, e.g. /dev/stdout: written in place
@@ -47,7 +54,16 @@ def check_writable_file(path: Path, name: str) -> None:
     if not folder.is_dir():
         raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
     check_not_fathoms(target, f"{name} {path}")
+    check_not_an_input(path, name, inputs or {})
     check_writable_folder(folder, f"{name} {path}:")
+
+
+def check_not_an_input(path: Path, name: str, inputs: Mapping[str, str | Path | None]) -> None:
+    """An output file is none of the files its command reads, however either path is spelled (relative,
+    through a link, a hard link): writing it would destroy the input, after the work or halfway through."""
+    for what, source in inputs.items():
+        if source is not None and path.is_file() and Path(source).is_file() and os.path.samefile(path, source):
+            raise ConfigError(f"{name} {path}: is {what} {source}, which writing it would destroy; choose another file")
 
 
 def check_not_fathoms(target: Path, name: str) -> None:

@@ -6,16 +6,11 @@ import argparse
 import io
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
-
-from model.config import ConfigError, exit_on_config_error  # noqa: E402
-from pipeline.durable import write_atomic  # noqa: E402
-from pipeline.logs import read_jsonl  # noqa: E402
-from pipeline.staging import check_writable_file  # noqa: E402
+from model.config import ConfigError, exit_on_config_error
+from pipeline.durable import write_atomic
+from pipeline.logs import read_jsonl
+from pipeline.staging import check_writable_file
+from tools.figures import pyplot
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,14 +22,15 @@ def main(argv: list[str] | None = None) -> None:
     path = Path(args.run) / "metrics.jsonl"
     out = Path(args.out or Path(args.run) / "loss.png")
     with exit_on_config_error():
+        plt = pyplot("scripts/plot_metrics.py")
         if not path.is_file():
             raise ConfigError(f"{path}: no such file; pass the train.save_dir of a run")
         records = read_jsonl(path)
         if not any("loss" in r for r in records):
             raise ConfigError(f"{path}: no training step logged yet; plot after the first train.log_interval steps")
-        check_writable_file(out, "--out")
+        check_writable_file(out, "--out", {"the run's log": path})
         image_format = out.suffix[1:].lower()
-        if image_format not in FigureCanvasBase.get_supported_filetypes():
+        if image_format not in plt.matplotlib.backend_bases.FigureCanvasBase.get_supported_filetypes():
             raise ConfigError(f"--out {out}: not an image file name; end it in .png, .pdf or .svg")
     train = [r for r in records if "loss" in r]
     valid = [r for r in records if "valid_loss" in r]

@@ -143,3 +143,13 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
     (save_dir / "latest").write_text(checkpoint.name)
     (save_dir / "config.json").write_text(json.dumps({"model": model.cfg.__dict__}))
     return save_dir
+
+
+def without_matplotlib(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Python finds no matplotlib (an optional extra), as after a plain install."""
+    shim = tmp_path / "no-matplotlib" / "matplotlib"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
+    )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))}

@@ -1,13 +1,14 @@
 """The helper commands: one-line errors from generate.py, a plot from plot_metrics.py."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from model import SCHEMES, ModelConfig, Transformer
-from tests.conftest import ROOT, write_run
+from tests.conftest import ROOT, without_matplotlib, write_run
 from translation.generate import main as generate_main
 
 
@@ -101,3 +102,25 @@ def test_plot_metrics_refuses_an_output_it_cannot_write(tmp_path):
         assert result.returncode == 2 and message in result.stderr and len(result.stderr.splitlines()) == 1
     result = plot_metrics(tmp_path, "--out", str(tmp_path / "loss.PDF"))
     assert result.returncode == 0 and (tmp_path / "loss.PDF").read_bytes()[:5] == b"%PDF-"
+
+
+def test_plot_metrics_never_writes_over_the_log_it_plots(tmp_path):
+    """However --out is spelled: here a hard link to metrics.jsonl, named like an image."""
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss": 5.0}\n')
+    os.link(log, tmp_path / "same.png")
+    result = plot_metrics(tmp_path, "--out", str(tmp_path / "same.png"))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"fathom: error: --out {tmp_path / 'same.png'}: is the run's log {log}, which writing it would destroy; "
+        "choose another file"
+    ), result.stderr
+    assert log.read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_plot_metrics_without_matplotlib_is_one_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, env=without_matplotlib(tmp_path))  # fmt: skip
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "fathom: error: scripts/plot_metrics.py draws with matplotlib, which is not installed; pip install -e '.[plot]'"
+    ), result.stderr

@@ -193,6 +193,20 @@ def test_a_save_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
         "afile", "exp.json"]  # fmt: skip
 
 
+def test_a_save_dir_through_a_dangling_link_is_one_line(tmp_path):
+    """A link to a directory that does not exist (an unmounted disk, a moved folder) said only `File exists`."""
+    (tmp_path / "run").symlink_to(tmp_path / "unmounted" / "run")
+    args = ["--config", str(write_config(tmp_path)), "--override", "train.max_steps=1"]
+    for save_dir in (tmp_path / "run", tmp_path / "run" / "sub"):
+        result = launch(ROOT / "scripts" / "train.py", *args, f"train.save_dir={save_dir}")
+        errors = [line for line in (result.stdout + result.stderr).splitlines() if "fathom: error:" in line]
+        assert result.returncode == 2 and errors == [
+            f"fathom: error: train.save_dir: {tmp_path / 'run'} is a link to {tmp_path / 'unmounted' / 'run'}, "
+            "which does not exist; create that directory, or remove the link"
+        ], result.stdout[-2000:] + result.stderr[-2000:]
+    assert not (tmp_path / "unmounted").exists()
+
+
 def test_a_monitor_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
     """DeepSpeed imports a monitor's package and makes its output_path on every rank: a traceback each."""
     import importlib.util

@@ -188,6 +188,14 @@ def test_force_replaces_only_an_earlier_output(tmp_path, capsys, monkeypatch):
         prepare_main([*args, "--train", inputs, "--out", str(tmp_path / "inputs")])
     assert f"is or holds the input {inputs}" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "inputs").iterdir()) == ["meta.json", "train.de", "train.en"]
+    # an input spelled through a link into the output: its prefix is elsewhere, its file inside --out
+    (tmp_path / "linked").mkdir()
+    for lang in ("de", "en"):
+        (tmp_path / "linked" / f"train.{lang}").symlink_to(tmp_path / "inputs" / f"train.{lang}")
+    with pytest.raises(SystemExit):
+        prepare_main([*args, "--train", str(tmp_path / "linked" / "train"), "--out", str(tmp_path / "inputs")])
+    assert f"is or holds the input {tmp_path / 'linked' / 'train.de'}" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "inputs").iterdir()) == ["meta.json", "train.de", "train.en"]
 
 
 def test_same_language_on_both_sides_is_one_line(tmp_path, capsys):

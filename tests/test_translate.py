@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,50 @@ def test_outputs_through_links_pipes_and_a_full_disk(capsys, monkeypatch, run, m
     translate(capsys, monkeypatch, run, multi30k_slice, stdin, "--output", str(pipe))
     reader.join(timeout=60)
     assert received == [target.read_text()] and pipe.is_fifo()
+
+
+def test_an_output_is_never_one_of_the_commands_own_inputs(capsys, monkeypatch, run, multi30k_slice, tmp_path):
+    """`translate.py --input same.de --output same.de` replaced the German with its translation and exited
+    0; `--reference ref.en --output ref.en` printed BLEU, then replaced the references. However the output
+    is spelled (relative, through a link, a hard link), it is refused before any decoding."""
+    source, reference = tmp_path / "same.de", tmp_path / "ref.en"
+    source.write_text("Ein Hund.\nZwei Hunde.\n")
+    reference.write_text("A dog.\nTwo dogs.\n")
+    (tmp_path / "link.de").symlink_to(source)
+    os.link(reference, tmp_path / "hard.en")
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.read_bytes() for p in (source, reference)}
+    for output, what in (
+        (str(source), f"--input {source}"),
+        ("./same.de", f"--input {source}"),
+        ("link.de", f"--input {source}"),
+        (f"../{tmp_path.name}/ref.en", f"--reference {reference}"),
+        ("hard.en", f"--reference {reference}"),
+    ):
+        err = refused(capsys, monkeypatch, run, multi30k_slice, b"", "--input", str(source),
+                      "--reference", str(reference), "--output", output)  # fmt: skip
+        assert f"--output {Path(output)}: is {what}, which writing it would destroy; choose another file" in err, err
+    assert {p: p.read_bytes() for p in (source, reference)} == before
+    references = multi30k_slice / "test.raw.en"  # generate.py's references, through a hard link outside the data
+    os.link(references, tmp_path / "refs.en")
+    with pytest.raises(SystemExit) as exc:
+        generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), *SEARCH, "--output", "refs.en"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and f"--output refs.en: is the references {references}" in err, err
+
+
+def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path):
+    """write_atomic wrote every output through one fixed temporary name: two processes writing the same
+    output renamed each other's file away (FileNotFoundError), e.g. two runs decoding into one file."""
+    output, start = tmp_path / "out.txt", time.time() + 8  # both writing at once, once imported
+    code = (
+        "import sys, time; from pathlib import Path; from pipeline.durable import write_atomic\n"
+        "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
+        "while time.time() < float(sys.argv[3]) + 2: write_atomic(Path(sys.argv[1]), sys.argv[2] * 20000)"
+    )
+    writers = [subprocess.Popen([sys.executable, "-c", code, str(output), mark, str(start)], cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True) for mark in "ab"]  # fmt: skip
+    errors = [writer.communicate(timeout=120)[1] for writer in writers]
+    assert [writer.returncode for writer in writers] == [0, 0], errors
+    assert output.read_text() in ("a" * 20000, "b" * 20000)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]

@@ -39,7 +39,7 @@ def translate(args: argparse.Namespace, output: Path | None = None) -> tuple[lis
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args)
     if output is not None:
-        check_writable_file(output, "--output")
+        check_writable_file(output, "--output", {"the references": corpus.references()})
     sources = [corpus.sources[i] for i in range(len(corpus))]
     tick = time.perf_counter()
     found = translator.search(sources, progress=f"translating {args.subset}")

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error():
         lines = read_input(args.input)
         if args.output:
-            check_writable_file(Path(args.output), "--output")
+            check_writable_file(Path(args.output), "--output", {"--input": args.input, "--reference": args.reference})
         references = read_references(args.reference, len(lines)) if args.reference else None
         translator = Translator(args)
         translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")

@@ -7,7 +7,8 @@ fairseq's scripts/average_checkpoints.py does for its checkpoints).
 --last K takes the K newest committed global_stepN checkpoints by N (committed: the tag has
 fathom_manifest.json, or, in a run from before manifests, its step is not past `latest`'s);
 uncommitted leftovers of crashed saves and best_global_step* are never picked. --tags takes the
-named tags (best and best_global_stepN too). Each tensor of each layer file (layer_XX-model_states.pt)
+named tags (best and best_global_stepN too; global_stepN and best_global_stepN are one checkpoint,
+saved after the same step, and naming both is refused). Each tensor of each layer file (layer_XX-model_states.pt)
 becomes the arithmetic mean over the checkpoints, accumulated in float64 and stored in the tensor's
 own dtype; tensors that are not floating point (none in fathom's layers) are taken from the newest.
 Layer files are read one at a time, from each checkpoint in turn: memory holds one layer's running
@@ -25,8 +26,9 @@ exporting, not for resuming, and `latest` and `best` are left where they are.
 
 The tag is written to a hidden directory inside SAVE_DIR and renamed into place when complete; an
 error leaves nothing behind. An existing TAG is refused unless --force, which replaces only an
-earlier average; names fathom keeps for training (global_step*, best, best_global_step*, latest)
-are refused.
+earlier average; so are the names a run keeps for its checkpoints and records, written or not yet
+(global_step*, best*, latest, metrics.jsonl, grad_norms.jsonl, translations, ...: RUN_RECORDS in
+pipeline/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -43,19 +45,20 @@ from model.config import ConfigError, ModelConfig, exit_on_config_error
 from pipeline.checkpoint import (
     BEST,
     CONFIG_FILE,
-    LATEST,
     MODEL_STATES,
     file_damage,
     global_step,
-    latest_tag,
+    latest_step,
     layer_file,
     load_file,
     missing_layer_files,
     model_config,
     plain_name,
     read_manifest,
+    run_record,
     saved_layers,
     schedule_step,
+    tag_step,
 )
 from pipeline.durable import fsync_dir, save_file
 from pipeline.staging import staged
@@ -78,12 +81,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--force", action="store_true", help="replace an existing output tag")
     return parser.parse_args(argv)
-
-
-def latest_step(save_dir: Path) -> int:
-    """The step of the tag `latest` names; -1 without one."""
-    match = STEP_TAG.fullmatch(latest_tag(save_dir) or "")
-    return int(match[1]) if match else -1
 
 
 def committed(checkpoint: Path, latest: int) -> bool:
@@ -118,9 +115,17 @@ def last_checkpoints(save_dir: Path, k: int) -> list[Path]:
     return [path for _, path in found[-k:]]
 
 
+def identity(checkpoint: Path) -> int | Path:
+    """What tells checkpoints apart: a training checkpoint's step (global_stepN and best_global_stepN are
+    saved after the same step, with the same weights; `best` links to one), another tag's folder."""
+    real = checkpoint.resolve()
+    step = tag_step(real.name)
+    return real if step is None else step
+
+
 def named_checkpoints(save_dir: Path, tags: list[str]) -> list[Path]:
     """The checkpoint directories the tags name, each once."""
-    seen: dict[Path, str] = {}
+    seen: dict[int | Path, str] = {}
     latest = latest_step(save_dir)
     for tag in tags:
         if not plain_name(tag):
@@ -133,12 +138,13 @@ def named_checkpoints(save_dir: Path, tags: list[str]) -> list[Path]:
             )
         if not committed(path, latest):
             raise ConfigError(f"--tags: {path} is a save that did not finish; pick committed checkpoints")
-        if (real := path.resolve()) in seen:
+        if (same := identity(path)) in seen:
             raise ConfigError(
-                f"--tags: '{seen[real]}' and '{tag}' are the same checkpoint; name each checkpoint once, "
-                "at least 2 different ones"
+                f"--tags: '{seen[same]}' and '{tag}' are the same checkpoint"
+                + (f" (both saved after step {same})" if isinstance(same, int) else "")
+                + "; name each checkpoint once, at least 2 different ones"
             )
-        seen[real] = tag
+        seen[same] = tag
     if len(seen) < 2:
         raise ConfigError(f"--tags: averaging needs at least 2 checkpoints, got {len(seen)}; name 2 or more")
     return [save_dir / tag for tag in seen.values()]
@@ -155,9 +161,9 @@ def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool
     something else: a training checkpoint, `latest`, `best`."""
     if not plain_name(tag):
         raise ConfigError(f"--out-tag: '{tag}' is not a folder name; pass a plain name such as avg_last5")
-    if tag in (LATEST, BEST, CONFIG_FILE) or tag.startswith(("global_step", f"{BEST}_global_step")):
+    if run_record(tag) or tag.startswith(("global_step", f"{BEST}_global_step")):
         raise ConfigError(
-            f"--out-tag: '{tag}' is a name fathom keeps for training checkpoints or their links; "
+            f"--out-tag: '{tag}' is a name the run keeps for its checkpoints, links or records; "
             "choose another, such as avg_last5"
         )
     out = save_dir / tag

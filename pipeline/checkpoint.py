@@ -8,9 +8,12 @@ says which module of the reference model each file belongs to. Reading weights n
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
+import os
 import pickle
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -18,20 +21,43 @@ from typing import Any
 import torch
 
 from corpus.prepared import PreparedData
+from model.admin import PROFILE_FILE
 from model.config import ConfigError, ModelConfig
 from model.parts import saved_names
 from model.transformer import Transformer
 from pipeline.durable import write_atomic
 from pipeline.hooks import ScheduleHook
 
-CONFIG_FILE = "config.json"
+# What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
+CONFIG_FILE = "config.json"  # the config of the latest launch
+CONFIG_HISTORY = "config_history.jsonl"  # each stretch's config (pipeline/config_history.py)
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
 BEST = "best"  # the link to the checkpoint that scored best on validation (pipeline/checkpoint_saving.py)
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
-MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint_saving.py)
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
 DICTIONARIES_FILE = "dictionaries.json"
+METRICS_FILE = "metrics.jsonl"
+GRAD_NORMS_FILE = "grad_norms.jsonl"  # per-layer gradient norms (train.grad_norm_interval)
+TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
+TIME_BREAKDOWN_FILE = "time_breakdown.jsonl"  # train.time_breakdown
+MEMORY_FILE = "memory.json"  # each stage's peak memory
+HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # the hang watchdog's (pipeline/watchdog.py)
+LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/rundir.py)
+# Names tools write into a run by default: generate.py's hypotheses, plot_metrics.py's image.
+TOOL_OUTPUTS = ("generate-*.txt", "loss.png")
+RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, METRICS_FILE, GRAD_NORMS_FILE,
+               TRANSLATIONS, TIME_BREAKDOWN_FILE, MEMORY_FILE, HEARTBEAT_FILE.format(rank="*"), LOCK_FILE,
+               PROFILE_FILE, *TOOL_OUTPUTS)  # fmt: skip
+
+# Inside a checkpoint tag
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
+MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint_saving.py)
+TRAINING_TAG = re.compile(rf"(?:{BEST}_)?global_step(\d+)")  # what training names its checkpoints
+
+
+def run_record(name: str) -> bool:
+    """Whether `name` is, or matches, one a run keeps in SAVE_DIR beside its checkpoints."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_RECORDS)
 
 
 def model_config(save_dir: str | Path) -> ModelConfig:
@@ -88,9 +114,39 @@ def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, da
 
 
 def latest_tag(save_dir: str | Path) -> str | None:
-    """The tag `latest` names: the newest complete checkpoint (pipeline/checkpoint_saving.py moves it)."""
+    """The tag `latest` names: the newest complete checkpoint, a global_stepN or a best_global_stepN
+    (pipeline/checkpoint_saving.py moves it on every save)."""
     path = Path(save_dir) / LATEST
     return path.read_text().strip() if path.exists() else None
+
+
+def linked_best(save_dir: str | Path) -> str | None:
+    """The tag the `best` link names: the checkpoint that scored best on validation."""
+    path = Path(save_dir) / BEST
+    return Path(os.readlink(path)).name if path.is_symlink() else None
+
+
+def tag_step(tag: str) -> int | None:
+    """N of a training checkpoint's tag (global_stepN, best_global_stepN); None for other tags."""
+    match = TRAINING_TAG.fullmatch(tag)
+    return int(match[1]) if match else None
+
+
+def latest_step(save_dir: str | Path) -> int:
+    """The step of the checkpoint `latest` names; -1 without one (or for a tag not named by a step)."""
+    step = tag_step(latest_tag(save_dir) or "")
+    return -1 if step is None else step
+
+
+def has_checkpoints(save_dir: str | Path) -> bool:
+    """Whether a run saved any checkpoint into save_dir: `latest`, `best`, or a committed tag (with a
+    manifest) that a crash kept either from naming."""
+    save_dir = Path(save_dir)
+    return (
+        (save_dir / LATEST).exists()
+        or (save_dir / BEST).is_symlink()
+        or any(save_dir.glob(f"*global_step*/{MANIFEST}"))
+    )
 
 
 def plain_name(tag: str) -> bool:

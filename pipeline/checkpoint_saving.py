@@ -40,14 +40,19 @@ from pipeline.checkpoint import (
     check_vocab,
     deepspeed_state_types,
     file_damage,
+    latest_step,
     latest_tag,
+    linked_best,
     load_file,
     model_config,
+    model_states,
     read_manifest,
+    tag_step,
 )
 from pipeline.config import RunConfig
+from pipeline.config_history import flat, shown
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
-from pipeline.durable import fsync_dir, save_file, write_atomic
+from pipeline.durable import fsync_dir, save_file, unique_sibling, write_atomic
 from pipeline.world import end_distributed
 
 
@@ -84,8 +89,7 @@ def link_atomic(path: Path, target: str) -> None:
     """Points the symlink `path` at `target` in one rename (over a plain directory of an older run, too)."""
     if path.is_dir() and not path.is_symlink():
         path.rename(path.with_name(f"{path.name}_legacy"))
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
+    tmp = unique_sibling(path)
     tmp.symlink_to(target)
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -123,13 +127,14 @@ def save(
         manifest = {"tag": tag, "step": engine.global_steps, "schedule_step": schedule_step,
                     "world_size": dist.get_world_size(), "files": files}  # fmt: skip
         write_atomic(save_dir / tag / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        # A best checkpoint is a whole checkpoint, and the newest: `latest` names it too, so a stop before
+        # the next global_stepN resumes from it, and nothing deletes the tag `latest` names.
+        write_atomic(save_dir / LATEST, tag)
         if best:
-            previous = (save_dir / BEST).resolve() if (save_dir / BEST).is_symlink() else None
+            previous = linked_best(save_dir)
             link_atomic(save_dir / BEST, tag)
-            if previous is not None and previous.name != tag:
-                shutil.rmtree(previous, ignore_errors=True)
-        else:
-            write_atomic(save_dir / LATEST, tag)
+            if previous is not None and previous != tag:
+                shutil.rmtree(save_dir / previous, ignore_errors=True)
     dist.barrier()
     return tag
 
@@ -203,20 +208,15 @@ def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
 
 def remove_uncommitted(save_dir: str | Path) -> list[str]:
     """Deletes what crashed saves left: tag directories without a manifest past the latest step, and best
-    checkpoints the `best` link no longer names. Returns their names. Global rank 0 only."""
+    checkpoints that neither `best` nor `latest` names any more. Returns their names. Global rank 0 only."""
     save_dir = Path(save_dir)
-    tag = latest_tag(save_dir)
-    latest_step = int(tag.removeprefix("global_step")) if tag and tag.startswith("global_step") else -1
-    linked = (save_dir / BEST).resolve().name if (save_dir / BEST).is_symlink() else None
+    kept, newest = {latest_tag(save_dir), linked_best(save_dir)}, latest_step(save_dir)
     removed = []
     for path in sorted(save_dir.glob("*global_step*")):
-        if not path.is_dir() or path.is_symlink():
+        if not path.is_dir() or path.is_symlink() or (step := tag_step(path.name)) is None or path.name in kept:
             continue
-        step = path.name.rpartition("global_step")[2]
-        if not step.isdigit():
-            continue
-        crashed = path.name.startswith("global_step") and int(step) > latest_step and read_manifest(path) is None
-        stale_best = path.name.startswith(f"{BEST}_") and path.name != linked
+        crashed = path.name.startswith("global_step") and step > newest and read_manifest(path) is None
+        stale_best = path.name.startswith(f"{BEST}_")
         if crashed or stale_best:
             shutil.rmtree(path)
             removed.append(path.name)
@@ -231,10 +231,61 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     if isinstance(corpus, BinarizedCorpus):
         check_vocab(save_dir, model_config(save_dir), corpus, cfg.data.path)
     check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
-    stages = json.loads((save_dir / CONFIG_FILE).read_text())["pipeline"]["stages"]
+    trained = json.loads((save_dir / CONFIG_FILE).read_text())
+    before, now = flat(trained), flat(json.loads(json.dumps(cfg.to_dict())))
+    for key in START_ONLY:
+        if before.get(key) != now.get(key):
+            raise ConfigError(
+                f"--resume: {key} is {json.dumps(before.get(key))} in {save_dir} but {json.dumps(now.get(key))} "
+                f"here; it acts only when a run starts, which this one did: resume with its value, or start a "
+                "new run in another train.save_dir"
+            )
+    stages = trained["pipeline"]["stages"]
     if stages != cfg.stages:
         raise ConfigError(
             f"--resume: pipeline.stages is {stages} in {save_dir} but {cfg.stages} here; resume with {stages} "
             f"stages, or start a new run from its weights with train.init_from={save_dir}"
         )
     verify(save_dir, world_size)
+    check_optimizer_state(save_dir, save_dir / latest_tag(save_dir), cfg.deepspeed)
+
+
+# Settings that act only when a run starts (its first weights); a resume that changed them would ignore them.
+START_ONLY = ("train.init_from", "train.init_step", "model.admin.profile", "model.admin.profile_dropout")
+# Optimizer settings a resume applies from its first step (pipeline/train.py); the others decide the
+# layout of the optimizer state the checkpoint holds.
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+ENABLE = {"bf16": "bf16.enabled=true", "fp16": "fp16.enabled=true", "fp32": "bf16.enabled=false and fp16.enabled=false"}
+
+
+def precision(ds: dict[str, Any]) -> str:
+    return next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
+
+
+def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
+    """What decides the form of the optimizer state a checkpoint holds, by config key."""
+    optimizer = ds.get("optimizer", {})
+    params = {f"optimizer.params.{k}": v for k, v in optimizer.get("params", {}).items() if k not in HYPERPARAMETERS}
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    return {"zero_optimization.stage": stage, "optimizer.type": str(optimizer.get("type", "")).lower(), **params}
+
+
+def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any]) -> None:
+    """Fails in one line unless the checkpoint's optimizer state (DeepSpeed's, in the form its precision,
+    ZeRO stage and optimizer gave it) is one this config's engine can load and go on with."""
+    saved = (model_states(checkpoint) or {}).get("ds_config")
+    if saved is None:  # not written by DeepSpeed's engine
+        return
+    restart = f"or start a new run from its weights with train.init_from={save_dir}"
+    if (was := precision(saved)) != (now := precision(ds)):
+        raise ConfigError(
+            f"--resume: {checkpoint.name} was trained in {was} and this config trains in {now}; its optimizer state "
+            f"is kept in {was}'s form: resume with {ENABLE[was]}, {restart}"
+        )
+    before, after = optimizer_layout(saved), optimizer_layout(ds)
+    for key in sorted(before.keys() | after.keys()):
+        if (was := shown(before, key)) != (now := shown(after, key)):
+            raise ConfigError(
+                f"--resume: {key} is {was} in {checkpoint.name} but {now} here; its optimizer state needs the "
+                f"optimizer it was saved with: resume with that, {restart}"
+            )

@@ -39,9 +39,6 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-METRICS_FILE = "metrics.jsonl"
-
-
 class MetricsLog:
     """<save_dir>/metrics.jsonl, one JSON line per global step, written by global rank 0 only."""
 

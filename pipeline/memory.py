@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MEMORY_FILE = "memory.json"
+from pipeline.checkpoint import MEMORY_FILE
+
 GiB = 2**30
 
 

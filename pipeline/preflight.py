@@ -11,7 +11,7 @@ from corpus.prepared import META_FILE
 from model.config import ConfigError
 from model.layers import compiler_missing
 from pipeline import admin, checkpoint_saving
-from pipeline.checkpoint import check_init_from, latest_tag
+from pipeline.checkpoint import check_init_from, has_checkpoints
 from pipeline.config import RunConfig, build_corpus, resolve_run
 from pipeline.rundir import check_not_in_use
 from pipeline.staging import check_makeable
@@ -47,7 +47,7 @@ def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, Par
     check_not_in_use(save_dir)
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
-    if not args.resume and latest_tag(save_dir) is not None:
+    if not args.resume and has_checkpoints(save_dir):
         raise ConfigError(
             f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "
             "or choose another save_dir"

@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from model.config import ConfigError
-from pipeline.checkpoint import latest_tag
-
-LOCK_FILE = ".fathom.lock"
+from pipeline.checkpoint import LOCK_FILE, has_checkpoints
 
 
 def _try_lock(path: Path) -> IO[str] | None:
@@ -85,8 +83,8 @@ class RunDirectory:
 
     def abandon(self) -> bool:
         """After an error or a stop: removes the directory if this run made it and saved no checkpoint
-        into it. Returns whether it did."""
-        if self.made is None or latest_tag(self.path) is not None:
+        into it (a `best` is one, whatever `latest` says). Returns whether it did."""
+        if self.made is None or has_checkpoints(self.path):
             return False
         shutil.rmtree(self.made, ignore_errors=True)
         return True

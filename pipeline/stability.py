@@ -40,7 +40,6 @@ from pipeline.deepspeed_internals import (
 )
 from pipeline.world import end_distributed
 
-GRAD_NORMS_FILE = "grad_norms.jsonl"
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
 
 

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-from pipeline.checkpoint import latest_tag
+from pipeline.checkpoint import HEARTBEAT_FILE, has_checkpoints, latest_tag
 from pipeline.checkpoint_saving import remove_uncommitted
 from pipeline.rundir import RunDirectory
-from pipeline.watchdog import HEARTBEAT_FILE, Watchdog
+from pipeline.watchdog import Watchdog
 
 # SIGHUP: the terminal or ssh session the job was started from went away.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -55,5 +55,7 @@ def where(save_dir: RunDirectory | None, steps_done: Callable[[], int] | None) -
     tag = latest_tag(save_dir.path)
     if tag:
         return f"after step {steps_done()}; the same command with --resume continues from {tag}"
+    if has_checkpoints(save_dir.path):  # a `best` from before `latest` named best checkpoints too
+        return f"after step {steps_done()}; no `latest` to resume from, the checkpoints in {save_dir.path} are kept"
     removed = f", so {save_dir.made} was removed again" if save_dir.abandon() else ""
     return f"after step {steps_done()}; no checkpoint was saved yet{removed}"

@@ -21,10 +21,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint import TIME_BREAKDOWN_FILE
 from pipeline.deepspeed_internals import wrap_instructions
 from pipeline.logs import MetricsLog
 
-TIME_BREAKDOWN_FILE = "time_breakdown.jsonl"
 # The first steps of a run allocate buffers (and compile layers): left out of the summary when the run
 # has more steps than this.
 WARMUP_STEPS = 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import sys
 import time
 from functools import partial
@@ -32,20 +31,28 @@ from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin, checkpoint_saving
-from pipeline.checkpoint import CONFIG_FILE, checkpoint_dir, latest_tag, schedule_step, write_dictionaries
+from pipeline.checkpoint import (
+    CONFIG_HISTORY,
+    GRAD_NORMS_FILE,
+    METRICS_FILE,
+    checkpoint_dir,
+    latest_tag,
+    schedule_step,
+    write_dictionaries,
+)
 from pipeline.config import RunConfig
+from pipeline.config_history import record_config
 from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
 from pipeline.deepspeed_values import precision_warning
 from pipeline.distributed import init_distributed
-from pipeline.durable import write_atomic
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import layer_specs
-from pipeline.logs import METRICS_FILE, MetricsLog
+from pipeline.logs import MetricsLog
 from pipeline.memory import current_bytes, report_peaks
 from pipeline.partition import CostBalancedPipeline
 from pipeline.preflight import check_run
 from pipeline.rundir import RunDirectory
-from pipeline.stability import GRAD_NORMS_FILE, NonFiniteError, StabilityGuard, exit_on_nonfinite
+from pipeline.stability import NonFiniteError, StabilityGuard, exit_on_nonfinite
 from pipeline.stopping import stop_on_signals
 from pipeline.time_breakdown import TimeBreakdown
 from pipeline.validation import Best, Validation, validation_line
@@ -115,6 +122,19 @@ def load_weights(engine: deepspeed.PipelineEngine, checkpoint: Path) -> None:
         engine.optimizer.refresh_fp32_params()
 
 
+def apply_optimizer_settings(engine: deepspeed.PipelineEngine, ds: dict[str, Any]) -> None:
+    """After a resume, the config's learning-rate schedule and optimizer hyperparameters from the first
+    resumed step on. DeepSpeed's load restores the saved param groups: their betas, eps and weight decay
+    would stay the checkpoint's, and their lr until the scheduler's first step, one step late."""
+    params = ds.get("optimizer", {}).get("params", {})
+    for group in engine.optimizer.param_groups:
+        for key in checkpoint_saving.HYPERPARAMETERS:
+            if key in params and key in group:
+                group[key] = tuple(params[key]) if isinstance(group[key], tuple) else params[key]
+    if engine.lr_scheduler is not None:  # the rate of the iteration the checkpoint's scheduler is at
+        engine.lr_scheduler.step(engine.lr_scheduler.last_batch_iteration)
+
+
 def profile_batch(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatch:
     """The first micro-batch of the run, the same on every rank."""
     return next(MicroBatches(corpus, cfg.batch_size, cfg.train.seed))
@@ -174,10 +194,13 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     client_state: dict[str, Any] = {}
     if resume and latest_tag(save_dir) is not None:
         client_state = checkpoint_saving.load(engine, save_dir)
+        apply_optimizer_settings(engine, cfg.deepspeed)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
     if rank == 0:  # only now: a checkpoint that failed to load leaves the run's records as they were
-        write_atomic(save_dir / CONFIG_FILE, json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if changed := record_config(save_dir, cfg.to_dict(), engine.global_steps):
+            print(f"fathom: from step {engine.global_steps + 1} on: {', '.join(changed)} ({CONFIG_HISTORY} "
+                  "keeps each stretch's settings)", flush=True)  # fmt: skip
         if isinstance(corpus, BinarizedCorpus):
             write_dictionaries(save_dir, corpus, cfg.data.path)
     client_state.setdefault(SCHEDULE_OFFSET, 0)
@@ -242,7 +265,9 @@ def run(
         data_parallel_size=engine.grid.get_data_parallel_world_size(),
     )
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
-    best = Best(cfg.train.best_metric, client_state)
+    best = Best(cfg.train.best_metric, save_dir)
+    if rank == 0 and best.tag is not None:
+        print(f"fathom: best valid {best.metric} so far {best.value:.4f} ({best.tag})", flush=True)
     offset = client_state[SCHEDULE_OFFSET]
 
     def state() -> dict[str, Any]:  # what every checkpoint keeps beside DeepSpeed's own state
@@ -282,12 +307,13 @@ def run(
             for hook in hooks:  # the model after step s is evaluated (and exported) at its schedule step
                 hook(updates(engine, offset))
             record = validation(done)
-            if best.update(record[f"valid_{best.metric}"]):
-                watchdog.progress(f"checkpoint save after step {done}")
-                checkpoint_saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
-            metrics.write({**record, **best.state()})
+            improved = best.update(record[f"valid_{best.metric}"])
+            metrics.write({**record, **best.state()})  # before the save: a resume from it keeps this record
             if rank == 0:
                 print(validation_line(record, best), flush=True)
+            if improved:
+                watchdog.progress(f"checkpoint save after step {done}")
+                checkpoint_saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
             checkpoint_saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))

@@ -11,12 +11,11 @@ import torch
 import torch.distributed as dist
 
 from corpus.batches import MicroBatch, eval_batches
+from pipeline.checkpoint import TRANSLATIONS, linked_best, model_states
 from pipeline.config import RunConfig, build_corpus
 from pipeline.decode import bleu_set, valid_bleu
 from pipeline.heap import heap_for_decoding
 from pipeline.watchdog import Watchdog
-
-TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 
 
 def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> float:
@@ -31,12 +30,16 @@ def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> fl
 
 class Best:
     """The best validation value so far by train.best_metric (the lowest loss or the highest BLEU), kept
-    in every checkpoint's client state."""
+    in every checkpoint's client state. A run starts from the value of the `best` checkpoint it has on
+    disk, not the one in the checkpoint it resumes: one older than `best` (a `latest` moved back by
+    hand, or a crash) would otherwise let a worse model replace the better one."""
 
-    def __init__(self, metric: str, client_state: dict[str, Any]):
+    def __init__(self, metric: str, save_dir: Path):
         self.metric, self.key = metric, f"best_valid_{metric}"
         self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
-        self.value = client_state.get(self.key, self.sign * float("inf"))
+        self.tag = linked_best(save_dir)
+        saved = None if self.tag is None else model_states(save_dir / self.tag)
+        self.value = (saved or {}).get(self.key, self.sign * float("inf"))
 
     def update(self, value: float) -> bool:
         """Whether `value` is the new best."""

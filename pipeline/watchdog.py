@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-HEARTBEAT_FILE = "heartbeat-rank{rank}.json"
+from pipeline.checkpoint import HEARTBEAT_FILE
+
 # The backend (gloo, nccl) gives up this long after hang_timeout, so the watchdog, which decides within
 # one check interval of it, names the rank first; the backend's own error names none.
 BACKEND_GRACE_S = 30.0

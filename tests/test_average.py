@@ -16,8 +16,7 @@ from model.config import ModelConfig
 from model.norms import BranchScaled
 from model.parts import saved_names
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import global_step, layer_file, load_file, load_reference
-from pipeline.rundir import LOCK_FILE
+from pipeline.checkpoint import LOCK_FILE, global_step, layer_file, load_file, load_reference
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
          "src_vocab_size": 12, "tgt_vocab_size": 12, "norm_scheme": "branchnorm", "branchnorm": {"T": 100}}  # fmt: skip
@@ -182,6 +181,11 @@ def average_first(run: Path) -> None:
     main(["--checkpoint", str(run), "--last", "3"])
 
 
+def same_step(run: Path) -> None:
+    """A regular checkpoint at the best checkpoint's step (training saves both when they coincide)."""
+    write_checkpoint(run, "global_step12", 12)
+
+
 BAD = {
     "not a run": (None, ["--checkpoint", "{run}/global_step9", "--last", "2"], "not a training directory"),
     "no such tag": (None, ["--tags", "global_step9", "global_step99"], "no checkpoint tagged 'global_step99'; pass"),
@@ -196,8 +200,29 @@ BAD = {
     "both": (None, ["--last", "2", "--tags", "global_step9", "global_step10"], "pass exactly one of --last"),
     "neither": (None, [], "pass exactly one of --last"),
     "existing output": (average_first, ["--last", "3"], "avg_last3 already exists; choose another --out-tag or"),
-    "output not ours": (None, ["--last", "2", "--out-tag", "global_step9x", "--force"], "keeps for training"),
-    "output is latest": (None, ["--last", "2", "--out-tag", "latest"], "keeps for training"),
+    "output not ours": (None, ["--last", "2", "--out-tag", "global_step9x", "--force"], "the run keeps for its"),
+    "output is latest": (None, ["--last", "2", "--out-tag", "latest"], "the run keeps for its"),
+    # names the run writes later: a resume failed (grad_norms.jsonl: Is a directory), or validation
+    # translations landed inside the averaged checkpoint
+    **{
+        f"output is the run's {name}": (None, ["--last", "2", "--out-tag", name], "a name the run keeps for its")
+        for name in (
+            "grad_norms.jsonl",
+            "translations",
+            "metrics.jsonl",
+            "config_history.jsonl",
+            "heartbeat-rank1.json",
+            "generate-test.txt",
+            "loss.png",
+        )
+    },  # fmt: skip
+    # best_global_stepN and global_stepN are saved after the same step: "the mean" of the two is step N
+    "best and the same step": (same_step, ["--tags", "best", "global_step12"], "(both saved after step 12)"),
+    "best tag and the same step": (
+        same_step,
+        ["--tags", "best_global_step12", "global_step12"],
+        "are the same checkpoint (both saved after",
+    ),
     "output a checkpoint": (
         lambda run: (run / "fairseq").mkdir(),
         ["--last", "2", "--out-tag", "fairseq", "--force"],

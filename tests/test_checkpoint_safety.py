@@ -1,9 +1,11 @@
 """Hostile checkpoints and data on --resume, export and generation: each is one line on stderr, exit
 status 2, nothing in the run directory rewritten; no checkpoint file can run code when loaded."""
 
+import json
 import os
 import pickle
 import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -13,10 +15,10 @@ import torch
 from corpus.prepared import BinarizedCorpus
 from model.config import ConfigError
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import deepspeed_state_types, file_damage, load_file, read_manifest
+from pipeline.checkpoint import deepspeed_state_types, file_damage, linked_best, load_file, read_manifest
 from pipeline.logs import read_jsonl
 from pipeline.train import main
-from tests.conftest import ROOT, edit_prepared, launch
+from tests.conftest import ROOT, assert_same_training, edit_prepared, launch
 from translation.generate import main as generate_main
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -81,6 +83,15 @@ def test_checkpoints_are_committed_whole(trained):
         (["model.norm_scheme=pre_ln"], 2, "--resume: model.norm_scheme is branchnorm in"),
         (["pipeline.stages=1", "train_batch_size=64"], 2, "--resume: pipeline.stages is 2 in"),
         (["train_batch_size=64"], 4, "was written by 2 processes and this launch has 4; launch 2"),
+        # the optimizer state is kept in the form its precision, ZeRO stage and optimizer gave it
+        (
+            ["bf16.enabled=true"],
+            2,
+            "--resume: global_step2 was trained in fp32 and this config trains in bf16; "
+            "its optimizer state is kept in fp32's form: resume with bf16.enabled=false",
+        ),
+        (["zero_optimization.stage=0"], 2, "--resume: zero_optimization.stage is 1 in global_step2 but 0 here"),
+        (["optimizer.params.torch_adam=false"], 2, "optimizer.params.torch_adam is true in global_step2 but false"),
     ],
 )
 def test_resume_refuses_another_model_or_layout(capsys, monkeypatch, run, multi30k_slice, overrides, world_size,
@@ -248,3 +259,79 @@ def test_init_from_goes_on_with_alpha_from_the_source_step(trained, multi30k_sli
         assert result.returncode == 0 and f"schedules from step {t}" in result.stdout
         assert read_jsonl(fresh / "metrics.jsonl")[0]["alpha"] == pytest.approx(t / 100)  # default.json: T = 100
         assert read_manifest(fresh / "global_step1")["schedule_step"] == t + 1
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_precision_through_the_launcher(multi30k_slice, tmp_path):
+    """A bf16 run resumed in fp32 blamed the checkpoint: `zero_pp_rank_0_mp_rank_00_optim_states.pt:
+    unreadable (No such file ...); the file is truncated or not a checkpoint`."""
+    run = tmp_path / "run"
+    trained = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "bf16.enabled=true",
+                                                               "train.max_steps=1"))  # fmt: skip
+    assert trained.returncode == 0
+    before = snapshot(run)
+    result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice), "--resume")
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "fathom: error:" in line]
+    assert result.returncode == 2 and errors == [
+        "fathom: error: --resume: global_step1 was trained in bf16 and this config trains in fp32; its optimizer "
+        f"state is kept in bf16's form: resume with bf16.enabled=true, or start a new run from its weights with "
+        f"train.init_from={run}"
+    ], result.stdout[-3000:] + result.stderr[-3000:]
+    assert snapshot(run) == before
+
+
+def test_resume_refuses_a_changed_start_setting(capsys, monkeypatch, run, trained, multi30k_slice):
+    """train.init_from acts when a run starts: on a resume it was ignored without a word."""
+    err = resume_fails(capsys, monkeypatch, run, multi30k_slice, f"train.init_from={trained}")
+    assert f'--resume: train.init_from is null in {run} but "{trained}" here; it acts only when a run starts' in err
+
+
+@pytest.mark.slow
+def test_resume_from_an_older_checkpoint_keeps_the_better_best(multi30k_slice, tmp_path):
+    """With `latest` moved back (by hand, or a crash that lost newer tags), --resume took the best value from
+    the checkpoint it resumed, then replaced the better `best` on disk by the first validation that beat
+    that older value. The best a run has is the best it has on disk."""
+    run, cadence = tmp_path / "run", ["train.save_interval=6", "train.valid_interval=2"]
+    first = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=12", *cadence))
+    assert first.returncode == 0
+    valid = {r["step"]: r["valid_loss"] for r in read_jsonl(run / "metrics.jsonl") if "valid_loss" in r}
+    assert linked_best(run) == "best_global_step12" and valid[12] < valid[10] < valid[8] < valid[6]
+    (run / "latest").write_text("global_step6")
+    shutil.rmtree(run / "global_step12")
+    resumed = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=10", *cadence),
+                     "--resume")  # fmt: skip
+    assert resumed.returncode == 0
+    assert f"fathom: best valid loss so far {valid[12]:.4f} (best_global_step12)" in resumed.stdout
+    assert linked_best(run) == "best_global_step12" and read_manifest(run / "best_global_step12")
+    assert [r["best_valid_loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("step") in (8, 10)
+            and "valid_loss" in r] == [valid[12]] * 2  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_changed_learning_rate_applies_from_the_first_resumed_step(multi30k_slice, tmp_path):
+    """A learning-rate change on --resume took effect one step late (the optimizer's saved rate ran the first
+    step), a weight-decay change never (the saved param groups kept theirs), and config.json was overwritten,
+    misstating the steps before. Steps 1-2 train at rate 0 (the warmup starts there), so a run whose settings
+    change at step 2 must end with exactly the weights of one trained with the new settings throughout."""
+    one_stage = ["pipeline.stages=1", "train.save_interval=2"]
+    new = ["scheduler.params.warmup_max_lr=0.01", "optimizer.params.lr=0.01", "optimizer.params.weight_decay=0.5"]
+    throughout, changed = tmp_path / "throughout", tmp_path / "changed"
+
+    def train(save_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+        result = launch(ROOT / "scripts" / "train.py", *train_args(save_dir, multi30k_slice, *one_stage, *overrides),
+                        processes=1)  # fmt: skip
+        assert result.returncode == 0
+        return result
+
+    train(throughout, "train.max_steps=4", *new)
+    train(changed, "train.max_steps=2")
+    result = train(changed, "train.max_steps=4", *new, "--resume")
+    assert (
+        "fathom: from step 3 on: optimizer.params.lr 0.001 -> 0.01, optimizer.params.weight_decay 0.0001 -> 0.5, "
+        "scheduler.params.warmup_max_lr 0.001 -> 0.01, train.max_steps 2 -> 4" in result.stdout
+    ), result.stdout[-3000:]
+    assert [r["lr"] for r in read_jsonl(changed / "metrics.jsonl")] == [0, 0.0, 0.0002, 0.0004]
+    assert_same_training(throughout, changed)
+    history = read_jsonl(changed / "config_history.jsonl")
+    assert [(r["from_step"], r["config"]["optimizer"]["params"]["lr"]) for r in history] == [(0, 0.001), (2, 0.01)]
+    assert json.loads((changed / "config.json").read_text()) == history[-1]["config"]

@@ -251,6 +251,13 @@ def test_a_run_directory_is_removed_only_if_the_run_made_it_and_saved_nothing(tm
     saved.open()
     (saved.path / LATEST).write_text("global_step1")
     assert not saved.abandon() and saved.path.exists()
+    # a best checkpoint without `latest` (validated before the first global_stepN, written before `latest`
+    # named best checkpoints too) was deleted with the directory
+    validated = RunDirectory(tmp_path / "validated", rank=0)
+    validated.open()
+    (validated.path / "best_global_step3").mkdir()
+    (validated.path / "best").symlink_to("best_global_step3")
+    assert not validated.abandon() and (validated.path / "best_global_step3").exists()
 
 
 @pytest.mark.parametrize("override", list(TYPOS))

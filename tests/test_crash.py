@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import file_damage, read_manifest
+from pipeline.checkpoint import file_damage, latest_tag, linked_best, read_manifest, tag_step
 from tests.conftest import ROOT, assert_same_training, free_port, launch
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,8 @@ OVERRIDES = [
 ]
 
 
-def command(save_dir: Path, port: int) -> list[str]:
-    config = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES]
+def command(save_dir: Path, port: int, *overrides: str) -> list[str]:
+    config = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES, *overrides]
     return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(WORKER), *config,
             f"train.save_dir={save_dir}", "--resume"]  # fmt: skip
 
@@ -67,7 +68,7 @@ def assert_latest_whole(save_dir: Path) -> None:
         assert checkpoint_saving.latest_tag(save_dir) is None
         return
     checkpoint, manifest = committed
-    assert manifest["step"] == int(checkpoint.name.removeprefix("global_step"))
+    assert manifest["step"] == tag_step(checkpoint.name)
     for name, entry in manifest["files"].items():
         assert file_damage(checkpoint / name, entry, read=True) is None
 
@@ -139,6 +140,23 @@ def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
     assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and read_manifest(p) is None]
 
 
+def stopped_job(launch: list[str], ready: Callable[[], bool], sig: signal.Signals) -> tuple[int, str]:
+    """Starts the job and sends `sig` to all its processes once `ready()`; returns its exit status and output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(launch, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, output
+
+
 @pytest.mark.parametrize(
     "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["Ctrl-C", "SIGTERM to the job", "terminal closed"]
 )
@@ -151,21 +169,10 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
     launch = command(save_dir, free_port())
     if sig == signal.SIGINT:  # DeepSpeed's runner prints a KeyboardInterrupt traceback; fathom's front end not
         launch[0:1] = [sys.executable, str(ROOT / "scripts" / "launch.py")]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(launch, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180
-        while steps_done(save_dir) < 5 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(proc.pid, sig)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0 and "Traceback" not in output, output[-3000:]
+    status, output = stopped_job(launch, lambda: steps_done(save_dir) >= 5, sig)
+    assert status != 0 and "Traceback" not in output, output[-3000:]
     stopped = [line for line in output.splitlines() if line.startswith("fathom: stopped")]
-    tag = checkpoint_saving.latest_tag(save_dir)
+    tag = latest_tag(save_dir)
     assert len(stopped) == 1 and re.fullmatch(
         rf"fathom: stopped by {sig.name} after step \d+; the same command with --resume continues from {tag}",
         stopped[0],
@@ -175,4 +182,31 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
     assert all(read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
     resumed = subprocess.run(command(save_dir, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert steps_done(save_dir) == STEPS
+
+
+@pytest.mark.parametrize("made", [True, False], ids=["save_dir made by the run", "save_dir there before"])
+def test_a_stop_keeps_a_validated_best_and_resume_continues_from_it(tmp_path, made):
+    """With train.valid_interval below train.save_interval, a SIGTERM after the first `best` but before the
+    first global_stepN printed `no checkpoint was saved yet, so RUN was removed again` and deleted the
+    save_dir, `best` included (in a save_dir there before, it kept the directory but printed the same)."""
+    save_dir = tmp_path / "run"
+    if not made:
+        save_dir.mkdir()
+        (save_dir / "notes.txt").write_text("mine")
+    cadence = ["train.save_interval=1000", "train.valid_interval=2"]  # global_step36 only, at the end
+    status, output = stopped_job(command(save_dir, free_port(), *cadence), (save_dir / "best").is_symlink,
+                                 signal.SIGTERM)  # fmt: skip
+    best = linked_best(save_dir)
+    assert status != 0 and "Traceback" not in output, output[-3000:]
+    assert best and read_manifest(save_dir / best) and latest_tag(save_dir) == best, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("fathom: stopped")]
+    assert len(stopped) == 1 and re.fullmatch(
+        rf"fathom: stopped by SIGTERM after step \d+; the same command with --resume continues from {best}", stopped[0]
+    ), output[-3000:]
+    assert made or (save_dir / "notes.txt").read_text() == "mine"
+    resumed = subprocess.run(command(save_dir, free_port(), *cadence), cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {save_dir}/{best} at step {best.removeprefix('best_global_step')}" in resumed.stdout
     assert steps_done(save_dir) == STEPS

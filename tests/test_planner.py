@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from pipeline.checkpoint import MEMORY_FILE
 from pipeline.config import load_config
-from pipeline.memory import MEMORY_FILE
 from tests.conftest import ROOT, launch
 from tools import planner
 from tools.activation_trace import trace_layers

@@ -13,10 +13,10 @@ from corpus.batches import MicroBatches
 from model.config import ConfigError
 from model.loss import label_smoothed_cross_entropy
 from model.parts import module_names, saved_names
-from pipeline.checkpoint import load_reference
+from pipeline.checkpoint import GRAD_NORMS_FILE, load_reference
 from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
-from pipeline.stability import GRAD_NORMS_FILE, NONFINITE_EXIT, describe
+from pipeline.stability import NONFINITE_EXIT, describe
 from tests.conftest import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"

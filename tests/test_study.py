@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, without_matplotlib
 from tools.study import CELL_FILE, check
 from tools.study import main as study_main
 from tools.study_grid import Cell, Sensitivity, StudySpec, cell_dir, cells, read_spec
@@ -45,6 +45,33 @@ def test_the_grid_runs_shallow_cells_first_and_names_them():
     spec = StudySpec(config="c", out="o", schemes=["a", "b"], depths=[12, 6], sensitivity=None)
     assert [c.name for c in cells(spec)] == ["a-6L", "b-6L", "a-12L", "b-12L"]
     assert Cell("a", 6, 0.001, 0).overrides()[-1] == "scheduler.params.warmup_num_steps=1"
+
+
+def test_distinct_learning_rates_make_distinct_cells():
+    """Cells were named with {lr:g}: 0.002 and 0.0020000001 shared pre_ln-1L-lr0.002-warmup2, so the second
+    "resumed" the first at its last step, trained nothing, and the report showed two equal columns."""
+    spec = StudySpec(
+        config="ds_configs/default.json", out="o", schemes=["pre_ln"], depths=[6],
+        sensitivity=Sensitivity(depth=1, schemes=["pre_ln"], lrs=[0.002, 0.0020000001, 5e-05], warmups=[2]),
+    )  # fmt: skip
+    names = [c.name for c in cells(spec)]
+    assert names[1:] == ["pre_ln-1L-lr0.002-warmup2", "pre_ln-1L-lr0.0020000001-warmup2", "pre_ln-1L-lr5e-05-warmup2"]
+    assert len({cell_dir(spec, c) for c in cells(spec)}) == len(names)
+
+
+def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path, multi30k_slice):
+    """Its report draws: the study trained for hours, then ended in a ModuleNotFoundError traceback."""
+    path = write_study(tmp_path, multi30k_slice)
+    for args in ([], ["--report"]):
+        result = subprocess.run(
+            [sys.executable, "scripts/depth_study.py", "--study", str(path), *args],
+            cwd=ROOT, capture_output=True, text=True, env=without_matplotlib(tmp_path),
+        )  # fmt: skip
+        assert result.returncode == 2 and result.stderr.strip() == (
+            "fathom: error: scripts/depth_study.py draws with matplotlib, which is not installed; "
+            "pip install -e '.[plot]'"
+        ), result.stderr
+    assert not (tmp_path / "study").exists()
 
 
 def test_a_sensitivity_cell_at_the_base_schedule_is_the_main_grids_run():
@@ -104,6 +131,11 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
     os.killpg(killed.pid, signal.SIGKILL)  # the study and the cell's ranks, mid-cell
     killed.wait()
     finished = (first / CELL_FILE).read_text()
+    interim = study(path, "--report")  # a half-trained cell was reported as `not run`
+    assert interim.wait(timeout=300) == 0, interim.communicate()[0][-3000:]
+    logged = [r["step"] for r in map(json.loads, (second / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    row = next(line for line in (tmp_path / "study" / "report.md").read_text().splitlines() if "| pre_ln |" in line)
+    assert f"| interrupted at step {logged[-1]} |" in row, row
 
     resumed = study(path)
     output = resumed.communicate(timeout=600)[0]

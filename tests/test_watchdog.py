@@ -12,8 +12,9 @@ import psutil
 import pytest
 
 from model.config import ConfigError
+from pipeline.checkpoint import HEARTBEAT_FILE
 from pipeline.config import load_config
-from pipeline.watchdog import HEARTBEAT_FILE, Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
+from pipeline.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
 from tests.conftest import ROOT, launch_env, launcher_command
 
 SAVE_DIR = Path("/runs/exp")

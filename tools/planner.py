@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model.config import ConfigError, exit_on_config_error
+from pipeline.checkpoint import MEMORY_FILE
 from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
-from pipeline.memory import MEMORY_FILE, GiB, MeasuredPeak
+from pipeline.memory import GiB, MeasuredPeak
 from pipeline.partition import stage_bounds
 from tools.activation_trace import LayerTrace, precision, trace_layers
 

@@ -24,12 +24,14 @@ from typing import Any
 from corpus.prepared import META_FILE, BinarizedCorpus
 from model.config import ConfigError, exit_on_config_error
 from model.norms import SCHEMES
-from pipeline.checkpoint import CONFIG_FILE, latest_tag
+from pipeline.checkpoint import CONFIG_FILE, METRICS_FILE, latest_tag
 from pipeline.config import RunConfig, read_json, with_vocab
+from pipeline.config_history import flat
 from pipeline.durable import write_atomic
-from pipeline.logs import METRICS_FILE, read_jsonl
+from pipeline.logs import read_jsonl
 from pipeline.stability import NONFINITE_EXIT
 from pipeline.staging import check_makeable
+from tools.figures import pyplot
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
     GRID_KEYS,
@@ -139,14 +141,6 @@ def duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
-
-
 def check_unchanged(spec: StudySpec, cell: Cell, cfg: RunConfig) -> None:
     """A cell already (partly) trained under other settings would be resumed or reported as if it had
     this study's: refused. Keys only one side has (added to fathom since) and the settings of other
@@ -225,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     from tools.study_report import write_report
 
     with exit_on_config_error():
+        pyplot("scripts/depth_study.py")  # the report draws: missing, found before hours of training
         spec = read_spec(args.study)
         if args.report:
             check(spec, cells(spec))

@@ -58,6 +58,13 @@ class StudySpec:
                 raise ConfigError(f"study: depth {depth}; depths are layers per side, at least 1")
 
 
+def lr_text(lr: float) -> str:
+    """The learning rate as cell names and the report spell it: short (0.002, 100), and exact where the
+    short form would name another rate too (0.0020000001), so distinct rates never share a cell."""
+    short = f"{lr:g}"
+    return short if float(short) == lr else repr(lr)
+
+
 @dataclass(frozen=True)
 class Cell:
     scheme: str
@@ -69,7 +76,7 @@ class Cell:
     def name(self) -> str:
         name = f"{self.scheme}-{self.depth}L"
         if self.lr is not None:
-            name += f"-lr{self.lr:g}"
+            name += f"-lr{lr_text(self.lr)}"
         if self.warmup is not None:
             name += f"-warmup{self.warmup}"
         return name

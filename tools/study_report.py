@@ -16,34 +16,33 @@ import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from pipeline.config import RunConfig  # noqa: E402
-from pipeline.durable import write_atomic  # noqa: E402
-from pipeline.logs import read_jsonl  # noqa: E402
-from pipeline.stability import GRAD_NORMS_FILE  # noqa: E402
-from tools.study import cell_records, read_baseline, read_cell  # noqa: E402
-from tools.study_grid import (  # noqa: E402
+from pipeline.checkpoint import GRAD_NORMS_FILE
+from pipeline.config import RunConfig
+from pipeline.durable import write_atomic
+from pipeline.logs import read_jsonl
+from tools.figures import pyplot
+from tools.study import cell_records, read_baseline, read_cell
+from tools.study_grid import (
     Cell,
     StudySpec,
     base_schedule,
     cell_config,
     cell_dir,
     cells,
+    lr_text,
     sensitivity_cell,
     warmup_steps,
 )
 
 DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
+INTERRUPTED = "interrupted"  # not a class: a cell whose training has not ended
 CLASSES = (TRAINED, STALLED, DIVERGED)
 # Nats per target token. Below the unigram baseline by less than this is not learning the task; a
 # source-ignoring decoder is a language model, whose loss barely moves when the sources are shuffled.
 BASELINE_MARGIN = 0.5
 SOURCE_MARGIN = 0.1
 REPORT = "report.md"
+STUDY = "scripts/depth_study.py"  # what draws, for the line saying matplotlib is missing
 
 
 def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: float, cfg: RunConfig) -> tuple[str, str]:
@@ -70,9 +69,12 @@ def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: fl
 
 
 def cell_summary(spec: StudySpec, cell: Cell, baseline: float) -> dict[str, Any] | None:
+    """The cell's class and results; for a cell stopped before it finished, the last step it logged
+    (the study's next run resumes it); None for a cell that has not started."""
     result = read_cell(spec, cell)
     if result is None:
-        return None
+        steps = [r["step"] for r in cell_records(cell_dir(spec, cell)) if "loss" in r]
+        return {"cell": cell.name, "class": INTERRUPTED, "step": steps[-1]} if steps else None
     label, why = classify(cell_records(cell_dir(spec, cell)), result, baseline, cell_config(spec, cell))
     return {"cell": cell.name, "class": label, "why": why, **result}
 
@@ -80,6 +82,8 @@ def cell_summary(spec: StudySpec, cell: Cell, baseline: float) -> dict[str, Any]
 def entry(summary: dict[str, Any] | None) -> str:
     if summary is None:
         return "not run"
+    if summary["class"] == INTERRUPTED:
+        return f"interrupted at step {summary['step']}"
     if summary["class"] == TRAINED:
         return f"trained: {summary['valid_nll']:.2f}, BLEU {summary['bleu']:.1f}"
     return f"{summary['class']}: {summary['why']}"
@@ -98,7 +102,7 @@ def tables(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str
     if s := spec.sensitivity:
         base = base_schedule(spec)
         columns = [(lr, w) for lr in s.lrs for w in s.warmups]
-        header = [f"scheme ({s.depth}L-{s.depth}L)", *(f"lr {lr:g}, warmup {w}" for lr, w in columns)]
+        header = [f"scheme ({s.depth}L-{s.depth}L)", *(f"lr {lr_text(lr)}, warmup {w}" for lr, w in columns)]
         rows = [
             [scheme, *(entry(summaries[sensitivity_cell(spec, scheme, lr, w, base)]) for lr, w in columns)]
             for scheme in s.schemes
@@ -111,8 +115,10 @@ def divergence_map(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]
     depths = sorted(spec.depths)
     colors = {TRAINED: 2, STALLED: 1, DIVERGED: 0}
     grid = [[colors.get((summaries[Cell(s, d)] or {}).get("class"), math.nan) for d in depths] for s in spec.schemes]
+    plt = pyplot(STUDY)
     fig, ax = plt.subplots(figsize=(1.4 * len(depths) + 2, 0.6 * len(spec.schemes) + 1.5))
-    ax.imshow(grid, cmap=matplotlib.colors.ListedColormap(["#d62728", "#ffbf00", "#2ca02c"]), vmin=0, vmax=2)
+    cmap = plt.matplotlib.colors.ListedColormap(["#d62728", "#ffbf00", "#2ca02c"])
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=2)
     for i, scheme in enumerate(spec.schemes):
         for j, depth in enumerate(depths):
             summary = summaries[Cell(scheme, depth)]
@@ -127,6 +133,7 @@ def divergence_map(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]
 
 def loss_curves(spec: StudySpec, out: Path) -> None:
     depths = sorted(spec.depths)
+    plt = pyplot(STUDY)
     fig, axes = plt.subplots(1, len(depths), figsize=(3.2 * len(depths), 3.2), squeeze=False, sharey=True)
     for ax, depth in zip(axes[0], depths, strict=True):
         for color, scheme in enumerate(spec.schemes):  # a scheme keeps its colour in every panel
@@ -148,6 +155,7 @@ def loss_curves(spec: StudySpec, out: Path) -> None:
 def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
     """BranchNorm paper Fig. 3's analogue: gradient norm and loss per step early on, deepest depth."""
     depth = max(spec.depths)
+    plt = pyplot(STUDY)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     for color, scheme in enumerate(spec.schemes):
         records = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "loss" in r][:steps]
@@ -175,6 +183,7 @@ def heatmap(spec: StudySpec, out: Path) -> bool:
     records = read_jsonl(path)
     names = list(records[0]["norms"])
     grid = [[math.log10(max(r["norms"][n], 1e-12)) for r in records] for n in names]
+    plt = pyplot(STUDY)
     fig, ax = plt.subplots(figsize=(8, 0.04 * len(names) + 2.5))
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xticks(range(0, len(records), max(1, len(records) // 8)),
@@ -202,7 +211,8 @@ def write_report(spec: StudySpec) -> Path:
     figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
     if heatmap(spec, out / "grad_norm_heatmap.png"):
         figures.append("grad_norm_heatmap.png")
-    seconds = sum(s["seconds"] + s.get("eval_seconds", 0) for s in summaries.values() if s)
+    finished = [s for s in summaries.values() if s and s["class"] != INTERRUPTED]
+    seconds = sum(s["seconds"] + s.get("eval_seconds", 0) for s in finished)
     lines = [
         f"# Depth study: {out.name}",
         "",
@@ -215,6 +225,5 @@ def write_report(spec: StudySpec) -> Path:
         "",
     ]
     write_atomic(out / REPORT, "\n".join(lines))
-    finished = [s for s in summaries.values() if s]
     write_atomic(out / "summary.json", json.dumps(finished, indent=2) + "\n")
     return out / REPORT

@@ -60,10 +60,12 @@ def check_writable_file(path: Path, name: str, inputs: Mapping[str, str | Path |
 
 def check_not_an_input(path: Path, name: str, inputs: Mapping[str, str | Path | None]) -> None:
     """An output file is none of the files its command reads, however either path is spelled (relative,
-    through a link, a hard link): writing it would destroy the input, after the work or halfway through."""
+    through a link, a hard link): written there, the input would be lost, or (a hard link) split from it."""
     for what, source in inputs.items():
         if source is not None and path.is_file() and Path(source).is_file() and os.path.samefile(path, source):
-            raise ConfigError(f"{name} {path}: is {what} {source}, which writing it would destroy; choose another file")
+            raise ConfigError(
+                f"{name} {path}: is the same file as {what} {source}, which it reads; choose another file"
+            )
 
 
 def check_not_fathoms(target: Path, name: str) -> None:

@@ -111,7 +111,7 @@ def test_plot_metrics_never_writes_over_the_log_it_plots(tmp_path):
     os.link(log, tmp_path / "same.png")
     result = plot_metrics(tmp_path, "--out", str(tmp_path / "same.png"))
     assert result.returncode == 2 and result.stderr.strip() == (
-        f"fathom: error: --out {tmp_path / 'same.png'}: is the run's log {log}, which writing it would destroy; "
+        f"fathom: error: --out {tmp_path / 'same.png'}: is the same file as the run's log {log}, which it reads; "
         "choose another file"
     ), result.stderr
     assert log.read_text() == '{"step": 1, "loss": 5.0}\n'

@@ -276,14 +276,14 @@ def test_an_output_is_never_one_of_the_commands_own_inputs(capsys, monkeypatch, 
     ):
         err = refused(capsys, monkeypatch, run, multi30k_slice, b"", "--input", str(source),
                       "--reference", str(reference), "--output", output)  # fmt: skip
-        assert f"--output {Path(output)}: is {what}, which writing it would destroy; choose another file" in err, err
+        assert f"--output {Path(output)}: is the same file as {what}, which it reads; choose another file" in err, err
     assert {p: p.read_bytes() for p in (source, reference)} == before
     references = multi30k_slice / "test.raw.en"  # generate.py's references, through a hard link outside the data
     os.link(references, tmp_path / "refs.en")
     with pytest.raises(SystemExit) as exc:
         generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), *SEARCH, "--output", "refs.en"])
     err = capsys.readouterr().err.strip()
-    assert exc.value.code == 2 and f"--output refs.en: is the references {references}" in err, err
+    assert exc.value.code == 2 and f"--output refs.en: is the same file as the references {references}" in err, err
 
 
 def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from corpus.prepared import META_FILE
 from model.config import ConfigError
-from pipeline.checkpoint import CONFIG_FILE, LATEST
+from pipeline.checkpoint import CONFIG_FILE, LATEST, MODEL_STATES
 
 
 def check_makeable(out: Path, name: str) -> None:
@@ -28,6 +28,14 @@ def check_makeable(out: Path, name: str) -> None:
     existing = next(p for p in chain if p.exists())
     if not existing.is_dir():
         raise ConfigError(f"{name}: {existing} is a file, so {out} cannot be made; choose another")
+    for folder in chain[1:]:  # what fathom checksums, or replaces and deletes whole, holds nothing else
+        if (folder / META_FILE).exists():
+            raise ConfigError(f"{name}: {out} is inside the prepared data directory {folder}; choose another")
+        if (folder / MODEL_STATES).exists():
+            raise ConfigError(
+                f"{name}: {out} is inside the checkpoint {folder}, which holds only its own files (a best one is "
+                "deleted whole once superseded); choose another"
+            )
     check_writable_folder(existing, f"{name}:")
 
 

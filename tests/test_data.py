@@ -198,6 +198,26 @@ def test_force_replaces_only_an_earlier_output(tmp_path, capsys, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "inputs").iterdir()) == ["meta.json", "train.de", "train.en"]
 
 
+def test_an_output_directory_never_goes_inside_a_checkpoint_or_prepared_data(tmp_path, capsys, multi30k_slice):
+    """--out RUN/best_global_step12/data was written, then deleted with that best once a better one came;
+    inside prepared data it sat among checksummed files. The same check guards train.save_dir, a study's
+    out and the converters' --out."""
+    train, valid = write_slice(tmp_path, "train", 50), write_slice(tmp_path, "val", 20)
+    run = tmp_path / "run"
+    (run / "best_global_step12").mkdir(parents=True)
+    (run / "best_global_step12" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    args = ["--src", "de", "--tgt", "en", "--train", train, "--valid", valid, "--vocab-size", "300"]
+    for out, message in (
+        (run / "best_global_step12" / "data", f"is inside the checkpoint {run / 'best_global_step12'}, which holds"),
+        (multi30k_slice / "more" / "data", f"is inside the prepared data directory {multi30k_slice}; choose"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            prepare_main([*args, "--out", str(out)])
+        err = capsys.readouterr().err.split("\r")[-1].strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+        assert not out.exists() and not list(out.parent.glob(".data*"))
+
+
 def test_same_language_on_both_sides_is_one_line(tmp_path, capsys):
     """--src de --tgt de wrote both sides to the same files."""
     train, valid = write_slice(tmp_path, "train", 50), write_slice(tmp_path, "val", 20)

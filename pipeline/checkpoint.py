@@ -1,4 +1,5 @@
-"""Reading DeepSpeed pipeline checkpoints back into the single-process Transformer.
+"""A run directory's layout (the names of everything a run keeps in SAVE_DIR, its tags, `latest` and
+`best`), and reading DeepSpeed pipeline checkpoints back into the single-process Transformer.
 
 A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in
 the spec list (layer_07-..., layer_123-...; tied re-uses have none); model.parts.saved_names

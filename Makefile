@@ -10,7 +10,7 @@ EXTRAS = dev
 # Open MPI comes from the system's packages; apt-get needs root
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-M30K ?= ../shared/data/multi30k
+M30K ?= data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 

@@ -54,7 +54,7 @@ def root() -> Path:
     return ROOT
 
 
-MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+MULTI30K = ROOT / "data" / "multi30k"
 
 
 def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:

@@ -145,7 +145,7 @@ def has_checkpoints(save_dir: str | Path) -> bool:
     save_dir = Path(save_dir)
     return (
         (save_dir / LATEST).exists()
-        or (save_dir / BEST).is_symlink()
+        or linked_best(save_dir) is not None
         or any(save_dir.glob(f"*global_step*/{MANIFEST}"))
     )
 

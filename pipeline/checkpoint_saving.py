@@ -50,7 +50,7 @@ from pipeline.checkpoint import (
     tag_step,
 )
 from pipeline.config import RunConfig
-from pipeline.config_history import flat, shown
+from pipeline.config_history import flat, read_back, shown
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
 from pipeline.durable import fsync_dir, save_file, unique_sibling, write_atomic
 from pipeline.world import end_distributed
@@ -232,7 +232,7 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
         check_vocab(save_dir, model_config(save_dir), corpus, cfg.data.path)
     check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
     trained = json.loads((save_dir / CONFIG_FILE).read_text())
-    before, now = flat(trained), flat(json.loads(json.dumps(cfg.to_dict())))
+    before, now = flat(trained), flat(read_back(cfg.to_dict()))
     for key in START_ONLY:
         if before.get(key) != now.get(key):
             raise ConfigError(

@@ -26,6 +26,11 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def read_back(config: dict[str, Any]) -> dict[str, Any]:
+    """A config as its JSON reads back (lists, not tuples), to compare with a saved one."""
+    return json.loads(json.dumps(config))
+
+
 def shown(settings: dict[str, Any], key: str) -> str:
     """A flat setting as a config spells it, or `unset`."""
     return json.dumps(settings[key]) if key in settings else "unset"
@@ -41,7 +46,7 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def record_config(save_dir: Path, config: dict[str, Any], step: int) -> list[str]:
     """Writes config.json and the history for a launch that trains from `step` on with `config`; returns
     the settings that changed against the stretch before (empty for a new run)."""
-    config = json.loads(json.dumps(config))  # as it reads back: lists, not tuples
+    config = read_back(config)
     history = save_dir / CONFIG_HISTORY
     records = read_jsonl(history) if history.exists() else []
     if not records and step > 0 and (save_dir / CONFIG_FILE).exists():  # a run from before the history

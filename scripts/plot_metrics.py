@@ -7,6 +7,7 @@ import io
 from pathlib import Path
 
 from model.config import ConfigError, exit_on_config_error
+from pipeline.checkpoint import METRICS_FILE
 from pipeline.durable import write_atomic
 from pipeline.logs import read_jsonl
 from pipeline.staging import check_writable_file
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="image to write, .png, .pdf, .svg, ... (default: RUN/loss.png)")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
-    path = Path(args.run) / "metrics.jsonl"
+    path = Path(args.run) / METRICS_FILE
     out = Path(args.out or Path(args.run) / "loss.png")
     with exit_on_config_error():
         plt = pyplot("scripts/plot_metrics.py")

@@ -26,7 +26,7 @@ from model.config import ConfigError, exit_on_config_error
 from model.norms import SCHEMES
 from pipeline.checkpoint import CONFIG_FILE, METRICS_FILE, latest_tag
 from pipeline.config import RunConfig, read_json, with_vocab
-from pipeline.config_history import flat
+from pipeline.config_history import flat, read_back
 from pipeline.durable import write_atomic
 from pipeline.logs import read_jsonl
 from pipeline.stability import NONFINITE_EXIT
@@ -148,7 +148,7 @@ def check_unchanged(spec: StudySpec, cell: Cell, cfg: RunConfig) -> None:
     path = cell_dir(spec, cell) / CONFIG_FILE
     if not path.exists():
         return
-    before, now = flat(read_json(path)), flat(json.loads(json.dumps(cfg.to_dict())))
+    before, now = flat(read_json(path)), flat(read_back(cfg.to_dict()))
     ignored = tuple(f"model.{scheme}." for scheme in SCHEMES if scheme != cell.scheme)
     for key in sorted(before.keys() & now.keys()):
         if before[key] != now[key] and not key.startswith(ignored):
@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study", required=True, help="the study's JSON (ds_configs/study_*.json)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
     args = parser.parse_args(argv)
-    from tools.study_report import write_report
+    from tools.study_report import STUDY, write_report
 
     with exit_on_config_error():
-        pyplot("scripts/depth_study.py")  # the report draws: missing, found before hours of training
+        pyplot(STUDY)  # the report draws: missing, found before hours of training
         spec = read_spec(args.study)
         if args.report:
             check(spec, cells(spec))

@@ -382,3 +382,31 @@ def test_force_onto_a_file_is_one_line_before_any_work(tmp_path, capsys):
         prepare_main([*args, "--out", str(tmp_path / "out" / "sub")])
     assert f"{tmp_path / 'out'} is a file, so" in capsys.readouterr().err
     assert (tmp_path / "out").read_text() == "mine"
+
+
+def greedy_batches(size: BatchSize, order: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    """The packing rule, one pair at a time: what BatchSize.pack computes with numpy."""
+    batches, start, longest = [], 0, 0
+    for i, index in enumerate(order):
+        longest_with, count = max(longest, lengths[index]), i - start + 1
+        full = (size.sentences is not None and count > size.sentences) or (
+            size.max_tokens is not None and longest_with * count > size.max_tokens
+        )
+        if full and i > start:
+            batches.append(order[start:i])
+            start, longest_with = i, lengths[index]
+        longest = longest_with
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+@pytest.mark.parametrize("sort", [True, False])
+@pytest.mark.parametrize("size", [BatchSize(sentences=7), BatchSize(max_tokens=300), BatchSize(5, 300)])
+def test_packing_follows_the_greedy_rule(size, sort):
+    lengths = np.random.default_rng(1).integers(2, 150, size=5000)
+    order = np.random.default_rng(2).permutation(len(lengths))
+    if sort:
+        order = order[np.argsort(lengths[order], kind="stable")]
+    got, want = size.pack(order, lengths), greedy_batches(size, order, lengths)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

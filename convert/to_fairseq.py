@@ -253,7 +253,7 @@ class Export:
         corpus = BinarizedCorpus(data, "valid")
         if splits is None:
             splits = [split for split in corpus.meta["splits"] if split != "train"]
-        check_vocab(self.checkpoint.parent, self.cfg, corpus, data)
+        check_vocab(self.checkpoint.parent, self.cfg, corpus)
         spm_files = sorted({corpus.sentencepiece_model(lang) for lang in (corpus.src, corpus.tgt)})
         batch, _ = collate([corpus.pair(i) for i in range(min(check_pairs, len(corpus)))])
         state, difference = self.fairseq_state(batch)

@@ -1,33 +1,42 @@
 """Raw parallel text -> SentencePiece model, fairseq dictionaries and a binarized, memory-mapped dataset.
 
     python scripts/prepare_data.py --src de --tgt en --train PREFIX --valid PREFIX [--test PREFIX ...] \\
-        --vocab-size V --out DIR
+        --vocab-size V --out DIR [--workers N] [--spm-sample N] [--max-ratio R]
 
-PREFIX.de and PREFIX.en are raw text, plain or .gz, one sentence per line. Everything is written to
-a temporary directory beside DIR and renamed into place only when complete, so a failure never
-leaves a half-written DIR.
+PREFIX.de and PREFIX.en are raw text, plain or .gz, one sentence per line. The corpus is streamed: memory
+does not grow with its size. SentencePiece trains on a seeded sample of --spm-sample sentences (every
+one when there are fewer), or --spm-model gives a model; --vocab-from DIR takes a directory's models and
+dictionaries, so that shards of one corpus share them. Everything is written to a temporary directory
+beside DIR and renamed into place only when complete, so a failure never leaves a half-written DIR.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import io
+import collections
+import itertools
 import json
+import os
+import shutil
 import sys
-import zlib
-from collections import Counter
-from dataclasses import dataclass, field
+from array import array
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from corpus.prepared import META_FILE, Dictionary, file_record, write_indexed
-from model.config import ConfigError, exit_on_config_error
+from corpus import subwords
+from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Filters, Workers, encode_chunk, id_dtype, remap
+from corpus.prepared import META_FILE, Dictionary, PreparedData, file_record
+from corpus.text import decode_line, find_file, raw_lines
+from model.config import UNK, ConfigError, exit_on_config_error
 from pipeline.staging import check_output_dir, staged
+
+SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length sentence (1.4 GB here)
+SPM_SEED = 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,200 +46,317 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train", required=True, metavar="PREFIX")
     parser.add_argument("--valid", required=True, metavar="PREFIX")
     parser.add_argument("--test", nargs="*", default=[], metavar="PREFIX", help="splits test, test1, test2, ...")
-    parser.add_argument("--vocab-size", type=int, required=True, help="SentencePiece vocabulary size")
+    parser.add_argument("--vocab-size", type=int, help="SentencePiece vocabulary size (a given model has its own)")
     parser.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
     parser.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    parser.add_argument(
+        "--spm-sample", type=int, default=SPM_SAMPLE, metavar="N", help="SentencePiece trains on N sentences"
+    )
+    parser.add_argument("--spm-seed", type=int, default=SPM_SEED, help="seed of the sample")
+    parser.add_argument(
+        "--spm-model", nargs="+", type=Path, metavar="FILE", help="use this model (two: source, target) instead"
+    )
+    parser.add_argument("--vocab-from", type=Path, metavar="DIR", help="a prepared directory's models and dictionaries")
     parser.add_argument("--max-len", type=int, default=256, help="drop training pairs longer (in pieces)")
+    parser.add_argument("--max-ratio", type=float, help="drop training pairs whose longer side is over R x the other")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes that encode")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args(argv)
 
 
-def find_file(prefix: str, lang: str) -> Path:
-    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz)")
+def check_args(args: argparse.Namespace) -> None:
+    if args.src == args.tgt:
+        raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
+    if args.vocab_size is None and not (args.spm_model or args.vocab_from):
+        raise ConfigError("--vocab-size: required unless --spm-model or --vocab-from gives the model")
+    if args.vocab_size is not None and args.vocab_size < 8:
+        raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
+    if args.max_len < 1:
+        raise ConfigError(f"--max-len: must be at least 1 piece, got {args.max_len}")
+    if args.max_ratio is not None and not args.max_ratio >= 1:
+        raise ConfigError(f"--max-ratio: must be at least 1 (sides of equal length), got {args.max_ratio}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers: must be at least 1, got {args.workers}")
+    if args.spm_sample < 1:
+        raise ConfigError(f"--spm-sample: must be at least 1 sentence, got {args.spm_sample}")
+    if args.vocab_from and (args.spm_model or args.separate_vocab):
+        raise ConfigError("--vocab-from gives the models and dictionaries; leave out --spm-model and --separate-vocab")
+    if args.spm_model and len(args.spm_model) > 2:
+        raise ConfigError(f"--spm-model: {len(args.spm_model)} files; give one (both sides) or two (source, target)")
+    if args.spm_model and args.separate_vocab and len(args.spm_model) != 2:
+        raise ConfigError("--spm-model with --separate-vocab: give two models, the source's and the target's")
 
 
-def decode_lines(f: BinaryIO, name: str | Path) -> list[str]:
-    """Lines of a binary stream as UTF-8 text, split on newlines only (str.splitlines would also split on
-    U+2028, form feeds, ..., and misalign the sides); bytes that are not UTF-8 are an error naming the line."""
-    lines = []
-    for lineno, raw in enumerate(f, 1):
-        try:
-            lines.append(raw.decode("utf-8").rstrip("\r\n"))
-        except UnicodeDecodeError as err:
-            raise ConfigError(
-                f"{name}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode the file as UTF-8"
-            ) from None
-    return lines
-
-
-def read_lines(path: Path) -> list[str]:
-    """Lines of a plain or gzipped UTF-8 file (decode_lines)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            data = f.read()  # whole first: gzip's checksum is only checked at the end of the stream
-    except (EOFError, gzip.BadGzipFile, zlib.error) as err:  # cut short, not gzip, or damaged inside
-        raise ConfigError(f"{path}: not a whole gzip file ({err}); download or compress it again") from None
-    return decode_lines(io.BytesIO(data), path)
+@dataclass(frozen=True)
+class SplitFiles:
+    name: str
+    prefix: str
+    files: tuple[Path, Path]
 
 
 @dataclass
-class Split:
-    name: str
-    src: list[str]
-    tgt: list[str]
-    dropped_empty: int = 0
-    dropped_long: int = 0
-    ids: dict[str, list[list[int]]] = field(default_factory=dict)
+class Scan:
+    """What a first pass over a split learns: its size, and which pairs have an empty side."""
+
+    lines: int
+    empty: np.ndarray  # line numbers (0-based)
+    pairs: list[tuple[str, str]]  # held-out splits only: their pairs, for the overlap check
 
 
-def read_split(name: str, prefix: str, src: str, tgt: str) -> Split:
-    src_path, tgt_path = find_file(prefix, src), find_file(prefix, tgt)
-    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
+def scan(split: SplitFiles, held_out: set[tuple[str, str]] | None, seen: set[tuple[str, str]]) -> Scan:
+    """Reads a split whole once, checking it before anything is trained: both sides line-aligned UTF-8,
+    every .gz whole. Training pairs found in `held_out` are added to `seen`; a split with `held_out`
+    None is one, and keeps its pairs."""
+    src_path, tgt_path = split.files
+    empty, pairs = array("q"), []
+    counts = [0, 0]
+    with tqdm(desc=f"reading {split.name}", unit=" pairs", unit_scale=True, leave=False) as progress:
+        for raw_src, raw_tgt in itertools.zip_longest(raw_lines(src_path), raw_lines(tgt_path)):
+            if raw_src is None or raw_tgt is None:
+                counts[raw_src is None] += 1
+                continue
+            line = counts[0]
+            try:
+                pair = decode_line(raw_src, src_path, line + 1), decode_line(raw_tgt, tgt_path, line + 1)
+            except ConfigError:
+                # A damaged .gz inflates to garbage before its checksum fails at the end: that is the error.
+                for path in split.files:
+                    collections.deque(raw_lines(path), maxlen=0)
+                raise
+            counts[0] += 1
+            counts[1] += 1
+            if not (pair[0].strip() and pair[1].strip()):
+                empty.append(line)
+            elif held_out is None:
+                pairs.append(pair)
+            elif pair in held_out:
+                seen.add(pair)
+            if counts[0] % CHUNK == 0:
+                progress.update(CHUNK)
+    if counts[0] != counts[1]:
         raise ConfigError(
-            f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(tgt_lines)}; the sides must be line-aligned"
+            f"{src_path} has {counts[0]} lines but {tgt_path} has {counts[1]}; the sides must be line-aligned"
         )
-    keep = [i for i, (s, t) in enumerate(zip(src_lines, tgt_lines, strict=True)) if s.strip() and t.strip()]
-    if not keep:
-        raise ConfigError(f"{prefix}: no pair with text on both sides")
-    return Split(
-        name, [src_lines[i] for i in keep], [tgt_lines[i] for i in keep], dropped_empty=len(src_lines) - len(keep)
-    )
-
-
-def train_sentencepiece(lines: list[str], prefix: Path, vocab_size: int, model_type: str) -> spm.SentencePieceProcessor:
-    # Our dictionary adds <s>, <pad>, </s> itself; SentencePiece keeps only its <unk> (id 0).
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines),
-        model_prefix=str(prefix),
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=1.0,
-        bos_id=-1,
-        eos_id=-1,
-        minloglevel=2,
-    )
-    return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
-
-
-def encode(processor: spm.SentencePieceProcessor, lines: list[str], desc: str) -> list[list[str]]:
-    batch = 2000
-    pieces: list[list[str]] = []
-    for start in tqdm(range(0, len(lines), batch), desc=desc, unit_scale=batch, unit="lines", leave=False):
-        pieces.extend(processor.encode(lines[start : start + batch], out_type=str))
-    return pieces
+    if len(empty) == counts[0]:
+        raise ConfigError(f"{split.prefix}: no pair with text on both sides")
+    return Scan(counts[0], np.frombuffer(empty, dtype=np.int64), pairs)
 
 
 HELD_OUT_WARNING = 0.01  # Multi30k's valid and test splits each share 1 pair of ~1,000 with train
 
 
-def check_held_out(splits: list[Split], prefixes: dict[str, str]) -> None:
+def check_held_out(splits: list[SplitFiles], scans: dict[str, Scan], seen: set[tuple[str, str]]) -> None:
     """Validation and test pairs that are also training pairs measure memory, not translation: a split
     made only of them (the train prefix given again) is refused, and more than 1% is a warning."""
-    train = set(zip(splits[0].src, splits[0].tgt, strict=True))
     for split in splits[1:]:
-        seen = sum(pair in train for pair in zip(split.src, split.tgt, strict=True))
-        where = f"{split.name} ({prefixes[split.name]})"
-        if seen == len(split.src):
+        pairs = scans[split.name].pairs
+        overlap = sum(pair in seen for pair in pairs)
+        where = f"{split.name} ({split.prefix})"
+        if overlap == len(pairs):
             raise ConfigError(f"{where}: every pair is also a training pair; give held-out data")
-        if seen > HELD_OUT_WARNING * len(split.src):
-            print(f"fathom: warning: {where}: {seen} of {len(split.src)} pairs are training pairs too", file=sys.stderr)
+        if overlap > HELD_OUT_WARNING * len(pairs):
+            print(f"fathom: warning: {where}: {overlap} of {len(pairs)} pairs are training pairs too", file=sys.stderr)
+
+
+@dataclass
+class Vocabulary:
+    """The SentencePiece model file per side (one file twice when joint), and the dictionaries when
+    they are given rather than counted."""
+
+    models: tuple[Path, Path]
+    dictionaries: tuple[Dictionary, Dictionary] | None = None
+
+    @property
+    def joint(self) -> bool:
+        return self.models[0] == self.models[1]
+
+    def processors(self) -> list[spm.SentencePieceProcessor]:
+        return [spm.SentencePieceProcessor(model_file=str(model)) for model in self.models]
+
+
+def given_vocabulary(args: argparse.Namespace) -> Vocabulary | None:
+    """--vocab-from's or --spm-model's models (checked now, before any reading), or None: train them."""
+    if args.vocab_from:
+        data = PreparedData(args.vocab_from)
+        if (data.src, data.tgt) != (args.src, args.tgt):
+            raise ConfigError(
+                f"--vocab-from {args.vocab_from}: prepared for {data.src}->{data.tgt}, not {args.src}->{args.tgt}"
+            )
+        models = data.sentencepiece_model(args.src), data.sentencepiece_model(args.tgt)
+        for model in set(models):
+            subwords.check_model(model, args.vocab_size, "--vocab-from")
+        return Vocabulary(models, (data.src_dict, data.tgt_dict))
+    if args.spm_model:
+        for model in args.spm_model:
+            subwords.check_model(model, args.vocab_size, "--spm-model")
+        return Vocabulary((args.spm_model[0], args.spm_model[-1]))
+    return None
+
+
+def sentencepiece_models(
+    args: argparse.Namespace, given: Vocabulary | None, train: SplitFiles, scanned: Scan, tmp: Path
+) -> tuple[Vocabulary, dict]:
+    """The models, in the output directory, and what meta.json records of how they came about."""
+    langs = args.src, args.tgt
+    if given is not None:
+        names = ("spm.model",) * 2 if given.joint else tuple(f"spm.{lang}.model" for lang in langs)
+        for model, name in zip(given.models, names, strict=True):
+            shutil.copyfile(model, tmp / name)
+        source = str(args.vocab_from) if args.vocab_from else [str(m) for m in args.spm_model]
+        return Vocabulary((tmp / names[0], tmp / names[1]), given.dictionaries), {"given": source}
+    pairs = scanned.lines - len(scanned.empty)
+    groups = [list(train.files)] if not args.separate_vocab else [[f] for f in train.files]
+    paths = [tmp / "spm.model"] if not args.separate_vocab else [tmp / f"spm.{lang}.model" for lang in langs]
+    models, samples = [], []
+    for files, path in zip(groups, paths, strict=True):
+        total = pairs * len(files)
+        chosen = subwords.sample_indices(total, args.spm_sample, args.spm_seed)
+        used = total if chosen is None else len(chosen)
+        print(
+            f"training SentencePiece ({args.model_type}, {args.vocab_size} pieces) on {used:,} of {total:,} "
+            f"sentences{'' if chosen is None else f' (sample seed {args.spm_seed})'}"
+        )
+        sentences = subwords.sampled_sentences(files, scanned.empty, chosen)
+        models.append(subwords.train(sentences, path, args.vocab_size, args.model_type))
+        samples.append({"sentences": used, "of": total})
+    record = {"model_type": args.model_type, "vocab_size": args.vocab_size, "seed": args.spm_seed, "sample": samples}
+    return Vocabulary((models[0], models[-1])), {"trained": record}
+
+
+def chunks(split: SplitFiles) -> itertools.Iterator[Chunk]:
+    """The split's pairs, CHUNK at a time (the scan checked that the sides align)."""
+    sides = [raw_lines(path) for path in split.files]
+    names = (str(split.files[0]), str(split.files[1]))
+    for first in itertools.count(0, CHUNK):
+        lines = (list(itertools.islice(sides[0], CHUNK)), list(itertools.islice(sides[1], CHUNK)))
+        if not lines[0]:
+            return
+        yield Chunk(first, names, lines, train=split.name == "train")
+
+
+@dataclass
+class Binarized:
+    """A split encoded into SentencePiece ids (SPLIT.LANG.spm), with its raw text written."""
+
+    lengths: tuple[np.ndarray, np.ndarray]
+    dropped: dict[str, int]
+
+
+def binarize(
+    split: SplitFiles, scanned: Scan, workers: Workers, filters: Filters, langs: tuple, tmp: Path
+) -> Binarized:
+    lengths: tuple[list, list] = ([], [])
+    dropped = {"dropped_empty": 0, "dropped_too_long": 0, "dropped_ratio": 0}
+    with ExitStack() as files:
+        ids_out = [files.enter_context((tmp / f"{split.name}.{lang}.spm").open("wb")) for lang in langs]
+        raw_out = [files.enter_context((tmp / f"{split.name}.raw.{lang}").open("wb")) for lang in langs]
+        progress = files.enter_context(
+            tqdm(total=scanned.lines, desc=f"encoding {split.name}", unit=" pairs", unit_scale=True, leave=False)
+        )
+        encoded: Encoded
+        for encoded in workers.map(encode_chunk, chunks(split), filters):
+            for side in range(2):
+                encoded.ids[side].tofile(ids_out[side])
+                raw_out[side].write(encoded.raw[side])
+                lengths[side].append(encoded.lengths[side])
+            dropped["dropped_empty"] += encoded.dropped_empty
+            dropped["dropped_too_long"] += encoded.dropped_long
+            dropped["dropped_ratio"] += encoded.dropped_ratio
+            progress.update(encoded.pairs_read)
+    return Binarized((np.concatenate(lengths[0]), np.concatenate(lengths[1])), dropped)
+
+
+def piece_counts(spm_ids: Path, size: int) -> np.ndarray:
+    """How often each SentencePiece id occurs in the file, a block at a time."""
+    counts = np.zeros(size, dtype=np.int64)
+    if spm_ids.stat().st_size:
+        data = np.memmap(spm_ids, dtype=id_dtype(size), mode="r")
+        for start in range(0, len(data), BLOCK):
+            counts += np.bincount(data[start : start + BLOCK], minlength=size)
+    return counts
+
+
+def count_dictionaries(vocab: Vocabulary, langs: tuple[str, str], tmp: Path) -> tuple[Dictionary, Dictionary]:
+    """fairseq's dictionaries, counted over the kept training pairs; joint models get one for both sides."""
+    processors = vocab.processors()
+    counts = [
+        piece_counts(tmp / f"train.{lang}.spm", p.get_piece_size()) for lang, p in zip(langs, processors, strict=True)
+    ]
+    if vocab.joint:
+        counts = [counts[0] + counts[1]] * 2
+    dictionaries = [
+        Dictionary.from_counts({p.id_to_piece(i): int(c) for i, c in enumerate(side) if c and i != p.unk_id()})
+        for p, side in zip(processors, counts, strict=True)
+    ]
+    return dictionaries[0], dictionaries[1]
+
+
+def write_split(
+    name: str, binarized: Binarized, vocab: Vocabulary, langs: tuple[str, str], dtype: str, tmp: Path
+) -> None:
+    """SPLIT.LANG.bin in dictionary ids and SPLIT.LANG.idx.npy, from the split's SentencePiece ids."""
+    assert vocab.dictionaries is not None
+    for side, (lang, processor, dictionary) in enumerate(
+        zip(langs, vocab.processors(), vocab.dictionaries, strict=True)
+    ):
+        lookup = np.full(processor.get_piece_size(), UNK, dtype=dtype)
+        for i in range(processor.get_piece_size()):
+            if i != processor.unk_id():
+                lookup[i] = dictionary.index.get(processor.id_to_piece(i), UNK)
+        remap(tmp / f"{name}.{lang}.spm", tmp / f"{name}.{lang}.bin", lookup, id_dtype(processor.get_piece_size()))
+        np.save(tmp / f"{name}.{lang}.idx.npy", np.concatenate([[0], np.cumsum(binarized.lengths[side])]))
 
 
 def prepare(args: argparse.Namespace) -> dict:
     out = Path(args.out)
-    if args.src == args.tgt:
-        raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
+    check_args(args)
+    langs = args.src, args.tgt
     prefixes = {"train": args.train, "valid": args.valid}
     prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
+    splits = [SplitFiles(name, p, (find_file(p, args.src), find_file(p, args.tgt))) for name, p in prefixes.items()]
     # the files themselves too: a prefix's file may be a link into --out
-    files = [find_file(prefix, lang) for prefix in prefixes.values() for lang in (args.src, args.tgt)]
-    check_output_dir(out, args.force, META_FILE, [*prefixes.values(), *files])
-    if args.vocab_size < 8:
-        raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
-    if args.max_len < 1:
-        raise ConfigError(f"--max-len: must be at least 1 piece, got {args.max_len}")
-    splits = [read_split(name, prefix, args.src, args.tgt) for name, prefix in prefixes.items()]
-    check_held_out(splits, prefixes)
-    train = splits[0]
+    check_output_dir(out, args.force, META_FILE, [*prefixes.values(), *(f for s in splits for f in s.files)])
+    given = given_vocabulary(args)
+    scans = {split.name: scan(split, None, set()) for split in splits[1:]}
+    held_out = {pair for scanned in scans.values() for pair in scanned.pairs}
+    seen: set[tuple[str, str]] = set()
+    scans = {"train": scan(splits[0], held_out, seen), **scans}
+    check_held_out(splits, scans, seen)
+    filters = Filters(args.max_len, args.max_ratio)
 
     with staged(out) as tmp:
-        print(f"training SentencePiece ({args.model_type}, {args.vocab_size} pieces) on {len(train.src)} pairs")
-        try:
-            if args.separate_vocab:
-                processors = {
-                    args.src: train_sentencepiece(train.src, tmp / f"spm.{args.src}", args.vocab_size, args.model_type),
-                    args.tgt: train_sentencepiece(train.tgt, tmp / f"spm.{args.tgt}", args.vocab_size, args.model_type),
-                }
-            else:
-                joint = train_sentencepiece(train.src + train.tgt, tmp / "spm", args.vocab_size, args.model_type)
-                processors = {args.src: joint, args.tgt: joint}
-        except RuntimeError as err:
-            reason = str(err).splitlines()[-1]
-            # Its other failure here is a model file it could not write whole and so cannot read back.
-            fix = "try a smaller --vocab-size" if "vocab" in reason.lower() else f"is {out.parent} full?"
-            raise ConfigError(f"SentencePiece: {reason}; {fix}") from None
-
-        pieces = {
-            (split.name, lang): encode(processors[lang], getattr(split, side), f"{split.name}.{lang}")
-            for split in splits
-            for side, lang in (("src", args.src), ("tgt", args.tgt))
-        }
-        # Training pairs over --max-len pieces are dropped; valid and test keep every line so scores
-        # stay comparable with other systems.
-        long = [
-            i
-            for i, (s, t) in enumerate(zip(pieces["train", args.src], pieces["train", args.tgt], strict=True))
-            if len(s) > args.max_len or len(t) > args.max_len
-        ]
-        if long:
-            drop = set(long)
-            for lang, side in ((args.src, "src"), (args.tgt, "tgt")):
-                pieces["train", lang] = [p for i, p in enumerate(pieces["train", lang]) if i not in drop]
-                setattr(train, side, [x for i, x in enumerate(getattr(train, side)) if i not in drop])
-            train.dropped_long = len(long)
-        if not train.src:
-            raise ConfigError(
-                f"train: no pairs left ({len(long)} over --max-len {args.max_len} dropped); raise --max-len"
-            )
-
-        counts = {lang: Counter() for lang in (args.src, args.tgt)}
-        for lang in counts:
-            for sentence in pieces["train", lang]:
-                counts[lang].update(sentence)
-        if not args.separate_vocab:
-            merged = counts[args.src] + counts[args.tgt]
-            counts = {args.src: merged, args.tgt: merged}
-        dictionaries = {lang: Dictionary.from_counts(c) for lang, c in counts.items()}
-        dtype = "uint16" if max(len(d) for d in dictionaries.values()) < 2**16 else "int32"
-        for lang, dictionary in dictionaries.items():
+        vocab, spm_record = sentencepiece_models(args, given, splits[0], scans["train"], tmp)
+        with Workers(args.workers, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
+            binarized = {s.name: binarize(s, scans[s.name], workers, filters, langs, tmp) for s in splits}
+        train = binarized["train"]
+        if not len(train.lengths[0]):
+            culprits = {
+                f"--max-len {args.max_len}": train.dropped["dropped_too_long"],
+                f"--max-ratio {args.max_ratio}": train.dropped["dropped_ratio"],
+            }
+            culprits = {option: count for option, count in culprits.items() if count}
+            dropped = ", ".join(f"{count} over {option}" for option, count in culprits.items())
+            raise_ = " or ".join(option.split()[0] for option in culprits)
+            raise ConfigError(f"train: no pairs left ({dropped} dropped); raise {raise_}")
+        if vocab.dictionaries is None:
+            vocab.dictionaries = count_dictionaries(vocab, langs, tmp)
+        dtype = "uint16" if max(len(d) for d in vocab.dictionaries) < 2**16 else "int32"
+        for lang, dictionary in zip(langs, vocab.dictionaries, strict=True):
             dictionary.save(tmp / f"dict.{lang}.txt")
-
-        for split in splits:
-            for side, lang in (("src", args.src), ("tgt", args.tgt)):
-                ids = [dictionaries[lang].encode(p) for p in pieces[split.name, lang]]
-                write_indexed(tmp / f"{split.name}.{lang}", ids, np.dtype(dtype))
-                raw = "".join(x + "\n" for x in getattr(split, side))
-                (tmp / f"{split.name}.raw.{lang}").write_text(raw, encoding="utf-8")
+        for name, split in binarized.items():
+            write_split(name, split, vocab, langs, dtype, tmp)
 
         meta = {
             "src": args.src,
             "tgt": args.tgt,
-            "joint_vocab": not args.separate_vocab,
+            "joint_vocab": vocab.joint,
             "dtype": dtype,
-            "vocab": {lang: len(d) for lang, d in dictionaries.items()},
+            "vocab": {lang: len(d) for lang, d in zip(langs, vocab.dictionaries, strict=True)},
+            "sentencepiece": spm_record,
+            "filters": {"max_len": args.max_len, "max_ratio": args.max_ratio},
             "splits": {
-                s.name: {
-                    "pairs": len(s.src),
-                    "dropped_empty": s.dropped_empty,
-                    "dropped_too_long": s.dropped_long,
-                    "source": prefixes[s.name],
-                }
+                s.name: {"pairs": len(binarized[s.name].lengths[0]), **binarized[s.name].dropped, "source": s.prefix}
                 for s in splits
             },
             "files": {f.name: file_record(f) for f in sorted(tmp.iterdir())},
@@ -245,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = prepare(args)
     for name, split in meta["splits"].items():
         print(
-            f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty dropped, "
-            f"{split['dropped_too_long']} over --max-len dropped)"
+            f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty, {split['dropped_too_long']} over "
+            f"--max-len, {split['dropped_ratio']} over --max-ratio dropped)"
         )
     print(f"dictionaries: {meta['vocab']} entries; written to {args.out}")

@@ -146,10 +146,11 @@ def read_meta(path: Path) -> dict:
 
 class PreparedData:
     """A prepared data directory's languages and dictionaries: what translating raw text needs. Every file
-    is verified against meta.json before use: present, of its size, of its checksum."""
+    is verified against meta.json before use: present, of its size, and unless `checksums` is False (a
+    process whose machine has another verify them), of its checksum."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, checksums: bool = True):
+        self.path, self.checksums = Path(path), checksums
         self.meta = read_meta(self.path / META_FILE)
         self.files: dict[str, dict] | None = self.meta.get("files")
         if self.files is None:
@@ -178,7 +179,7 @@ class PreparedData:
                 f"{path}: {size} bytes, but prepare_data wrote {expected.get('bytes')}; the file is damaged or "
                 f"from other data: {RERUN}"
             )
-        if file_record(path) != expected:
+        if self.checksums and file_record(path) != expected:
             raise ConfigError(f"{path}: fails its checksum; the file is damaged or from other data: {RERUN}")
         return path
 
@@ -193,8 +194,8 @@ class PreparedData:
 class BinarizedCorpus(PreparedData):
     """One split of a prepared data directory, as a ParallelCorpus."""
 
-    def __init__(self, path: str | Path, split: str):
-        super().__init__(path)
+    def __init__(self, path: str | Path, split: str, checksums: bool = True):
+        super().__init__(path, checksums)
         path = self.path
         if split not in self.meta["splits"]:
             raise ConfigError(f"{path}: no split '{split}'; it has {', '.join(self.meta['splits'])}")
@@ -234,3 +235,45 @@ class BinarizedCorpus(PreparedData):
     def lengths(self) -> np.ndarray:
         """Per pair, the longer side's length including eos: what a token budget counts."""
         return np.maximum(self.sources.lengths, self.targets.lengths) + 1
+
+
+SHARED_FILES = ("dict.{src}.txt", "dict.{tgt}.txt", "spm.model", "spm.{src}.model", "spm.{tgt}.model")
+
+
+class ShardedCorpus(PreparedData):
+    """One split of a corpus prepared as shards that share one vocabulary (prepare_data --vocab-from the
+    first), read as one corpus: the first shard's pairs, then the second's, ... Every epoch shuffles
+    across all of them, as if they were one directory; memory-mapped, that costs no more than one."""
+
+    def __init__(self, paths: list[str | Path], split: str, checksums: bool = True):
+        self.shards = [BinarizedCorpus(path, split, checksums) for path in paths]
+        first = self.shards[0]
+        super().__init__(first.path, checksums)
+        for shard in self.shards[1:]:
+            check_same_vocabulary(first, shard)
+        self.starts = np.cumsum([0] + [len(shard) for shard in self.shards])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self.shards[shard].pair(index - int(self.starts[shard]))
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([shard.lengths() for shard in self.shards])
+
+
+def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:
+    """Shards are one corpus only if a token id means the same piece in each: the same languages,
+    dictionaries and SentencePiece models, byte for byte (their checksums in meta.json)."""
+    fix = f"prepare it with --vocab-from {first.path}"
+    if (shard.src, shard.tgt) != (first.src, first.tgt):
+        raise ConfigError(
+            f"data.path: shard {shard.path} is {shard.src}->{shard.tgt}, but {first.path} is {first.src}->{first.tgt}"
+        )
+    for pattern in SHARED_FILES:
+        name = pattern.format(src=first.src, tgt=first.tgt)
+        records = [(data.files or {}).get(name, {}).get("sha256") for data in (first, shard)]
+        if records[0] != records[1] or (records[0] is None and first.files is None):
+            raise ConfigError(f"data.path: shard {shard.path} has another {name} than {first.path}; {fix}")

@@ -83,20 +83,20 @@ def deepspeed_state_types() -> list[type]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def dictionary_digests(corpus: PreparedData, data: str | Path) -> dict[str, str]:
+def dictionary_digests(corpus: PreparedData) -> dict[str, str]:
     names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
-    return {name: hashlib.sha256((Path(data) / name).read_bytes()).hexdigest() for name in sorted(names)}
+    return {name: hashlib.sha256((corpus.path / name).read_bytes()).hexdigest() for name in sorted(names)}
 
 
-def write_dictionaries(save_dir: str | Path, corpus: PreparedData, data: str | Path) -> None:
-    text = json.dumps({"data": str(data), "sha256": dictionary_digests(corpus, data)}, indent=2)
+def write_dictionaries(save_dir: str | Path, corpus: PreparedData) -> None:
+    text = json.dumps({"data": str(corpus.path), "sha256": dictionary_digests(corpus)}, indent=2)
     write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
 
 
-def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, data: str | Path) -> None:
+def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData) -> None:
     """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
     (by content where the run recorded them, by size for older runs)."""
-    fix = "use the run's data directory"
+    fix, data = "use the run's data directory", corpus.path
     if (cfg.src_vocab_size, cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
         raise ConfigError(
             f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
@@ -106,7 +106,7 @@ def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, da
     if not recorded.exists():
         return
     trained = json.loads(recorded.read_text())
-    for name, digest in dictionary_digests(corpus, data).items():
+    for name, digest in dictionary_digests(corpus).items():
         if trained["sha256"].get(name) != digest:
             raise ConfigError(
                 f"{data}: {name} is not the dictionary the run in {save_dir} was trained with "

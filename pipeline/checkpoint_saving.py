@@ -29,7 +29,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from corpus.batches import ParallelCorpus
-from corpus.prepared import BinarizedCorpus
+from corpus.prepared import PreparedData
 from model.config import ConfigError
 from pipeline.checkpoint import (
     BEST,
@@ -228,8 +228,8 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     save_dir = Path(save_dir)
     if latest_tag(save_dir) is None:
         return
-    if isinstance(corpus, BinarizedCorpus):
-        check_vocab(save_dir, model_config(save_dir), corpus, cfg.data.path)
+    if isinstance(corpus, PreparedData):
+        check_vocab(save_dir, model_config(save_dir), corpus)
     check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
     trained = json.loads((save_dir / CONFIG_FILE).read_text())
     before, now = flat(trained), flat(read_back(cfg.to_dict()))

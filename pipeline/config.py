@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
-from corpus.prepared import BinarizedCorpus, PreparedData
+from corpus.prepared import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.config import ConfigError, ModelConfig, parse_section
 from pipeline.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 from pipeline.heap import CPU_HEAPS
@@ -30,8 +30,10 @@ def check_no_tilde(path: str | None, key: str) -> None:
 
 @dataclass
 class DataConfig:
-    # A directory written by scripts/prepare_data.py; None trains on the built-in synthetic task.
-    path: str | None = None
+    # A directory written by scripts/prepare_data.py, or a list of them: shards of one corpus, prepared
+    # with one vocabulary (prepare_data --vocab-from the first), trained on as one corpus (ShardedCorpus);
+    # validation and test come from the first. None trains on the built-in synthetic task.
+    path: str | list[str] | None = None
     # Token budget per micro-batch (pairs grouped by length); None: train_micro_batch_size_per_gpu pairs.
     max_tokens: int | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
@@ -39,9 +41,24 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"data.max_tokens: must be positive, got {self.max_tokens}")
-        check_no_tilde(self.path, "data.path")
-        if self.path is not None and not (Path(self.path) / "meta.json").exists():
-            raise ConfigError(f"data.path: {self.path} is not a prepared data directory; run scripts/prepare_data.py")
+        if self.path == []:
+            raise ConfigError("data.path: an empty list; give a prepared data directory, or a list of shards")
+        if isinstance(self.path, list) and len(set(self.path)) < len(self.path):
+            raise ConfigError(f"data.path: {self.path} names a shard twice; give each once")
+        for path in self.shards:
+            check_no_tilde(path, "data.path")
+            if not (Path(path) / "meta.json").exists():
+                raise ConfigError(f"data.path: {path} is not a prepared data directory; run scripts/prepare_data.py")
+
+    @property
+    def shards(self) -> list[str]:
+        """The prepared directories training reads, in order ([] for the synthetic task)."""
+        return [] if self.path is None else [self.path] if isinstance(self.path, str) else list(self.path)
+
+    @property
+    def directory(self) -> str | None:
+        """The prepared directory with the dictionaries, validation and test: the first shard."""
+        return self.shards[0] if self.shards else None
 
 
 @dataclass
@@ -251,10 +268,13 @@ def load_config(path: str | Path, overrides: list[str] = (), world_size: int | N
     return RunConfig(model=model, data=data, train=train, deepspeed=ds)
 
 
-def build_corpus(cfg: RunConfig, split: str = "train") -> ParallelCorpus:
-    if cfg.data.path is None:
+def build_corpus(cfg: RunConfig, split: str = "train", checksums: bool = True) -> ParallelCorpus:
+    """The split of the run's data; `checksums`: verify its files' checksums, not only their sizes."""
+    if cfg.data.directory is None:
         return SyntheticTranslation(cfg.data.synthetic, split)
-    return BinarizedCorpus(cfg.data.path, split)
+    if split == "train" and len(cfg.data.shards) > 1:
+        return ShardedCorpus(cfg.data.shards, split, checksums)
+    return BinarizedCorpus(cfg.data.directory, split, checksums)
 
 
 def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
@@ -275,10 +295,12 @@ def with_vocab(cfg: ModelConfig, corpus: ParallelCorpus) -> ModelConfig:
     return replace(cfg, src_vocab_size=corpus.src_vocab_size, tgt_vocab_size=corpus.tgt_vocab_size)
 
 
-def resolve_run(path: str | Path, overrides: list[str], world_size: int | None) -> tuple[RunConfig, ParallelCorpus]:
+def resolve_run(
+    path: str | Path, overrides: list[str], world_size: int | None, checksums: bool = True
+) -> tuple[RunConfig, ParallelCorpus]:
     """A run's config with the vocabulary sizes its training data gives, and that data: what every
     entry point that trains, plans or compares starts from."""
     cfg = load_config(path, overrides, world_size)
-    corpus = build_corpus(cfg)
+    corpus = build_corpus(cfg, checksums=checksums)
     cfg.model = with_vocab(cfg.model, corpus)
     return cfg, corpus

@@ -30,8 +30,8 @@ from sacrebleu.metrics import BLEU
 from torch import nn
 
 from corpus.batches import ParallelCorpus, length_batches, with_eos
-from corpus.prepare import read_lines
 from corpus.prepared import BinarizedCorpus
+from corpus.text import read_lines
 from model.cache import DecoderCache
 from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer

@@ -147,7 +147,8 @@ def preflight(argv: list[str]) -> int:
     """Checks the launcher's arguments and the run they start; returns the world size."""
     args = runner.parse_args(argv)
     world_size = launched_processes(args)
-    check_run(parse_train_args(args.user_args), world_size)
+    # Sizes only: each machine's first rank verifies the data's checksums before any rank can train.
+    check_run(parse_train_args(args.user_args), world_size, checksums=False)
     return world_size
 
 

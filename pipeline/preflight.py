@@ -28,15 +28,15 @@ def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
         )
 
 
-def check_run(args: argparse.Namespace, world_size: int) -> tuple[RunConfig, ParallelCorpus]:
+def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True) -> tuple[RunConfig, ParallelCorpus]:
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
-    before launching); raises ConfigError."""
-    cfg, corpus = resolve_run(args.config, args.override, world_size)
+    before launching); raises ConfigError. `checksums`: verify the data's checksums, not only sizes."""
+    cfg, corpus = resolve_run(args.config, args.override, world_size, checksums)
     if cfg.train.compile and (missing := compiler_missing()):
         raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
     admin.check(cfg.model)
     check_fits(corpus, cfg)
-    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid")) == 0:
+    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid", checksums)) == 0:
         raise ConfigError(
             "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
         )

@@ -24,7 +24,7 @@ from corpus.batches import (
     MicroBatches,
     ParallelCorpus,
 )
-from corpus.prepared import BinarizedCorpus
+from corpus.prepared import PreparedData
 from model.config import exit_on_config_error
 from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
@@ -201,8 +201,8 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         if changed := record_config(save_dir, cfg.to_dict(), engine.global_steps):
             print(f"fathom: from step {engine.global_steps + 1} on: {', '.join(changed)} ({CONFIG_HISTORY} "
                   "keeps each stretch's settings)", flush=True)  # fmt: skip
-        if isinstance(corpus, BinarizedCorpus):
-            write_dictionaries(save_dir, corpus, cfg.data.path)
+        if isinstance(corpus, PreparedData):
+            write_dictionaries(save_dir, corpus)
     client_state.setdefault(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
         checkpoint_saving.verify_contents(cfg.train.init_from, weights_only=True)
@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     stop_on_signals(world.rank)
     with exit_on_config_error(report=world.rank == 0):
         check_mpi_discovery()
-        cfg, corpus = check_run(args, world.size)
+        # A data directory is read whole for its checksums once per machine and launch: by the machine's
+        # first rank, before the collectives that start training, so no rank trains on data it rejects.
+        cfg, corpus = check_run(args, world.size, checksums=world.local_rank == 0)
     if world.rank == 0 and (warning := precision_warning(cfg.deepspeed)):
         print(f"fathom: warning: {warning}", file=sys.stderr, flush=True)
     # A checkpoint that fails to load or save: the first rank reports it; another rank that alone hits

@@ -31,6 +31,12 @@ LOCAL_SIZE_VARIABLES = (
     "MPI_LOCALNRANKS",
     "MV2_COMM_WORLD_LOCAL_SIZE",
 )
+LOCAL_RANK_VARIABLES = (
+    "LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "MPI_LOCALRANKID",
+    "MV2_COMM_WORLD_LOCAL_RANK",
+)
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's
 
 
@@ -39,6 +45,7 @@ class World:
     rank: int
     size: int
     local_size: int  # processes of this job on this machine
+    local_rank: int = 0  # this process's place among them
 
 
 def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
@@ -51,12 +58,10 @@ def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 def launched_world(environ: Mapping[str, str] = os.environ) -> World:
     """Not launched: one process. A launcher that does not say how many of its processes share this
     machine is taken to have put them all here, which at worst leaves CPU cores idle."""
-    size = _first(environ, SIZE_VARIABLES) or 1
-    return World(
-        rank=_first(environ, RANK_VARIABLES) or 0,
-        size=size,
-        local_size=_first(environ, LOCAL_SIZE_VARIABLES) or size,
-    )
+    size, rank = _first(environ, SIZE_VARIABLES) or 1, _first(environ, RANK_VARIABLES) or 0
+    local_size = _first(environ, LOCAL_SIZE_VARIABLES) or size
+    local_rank = _first(environ, LOCAL_RANK_VARIABLES)
+    return World(rank, size, local_size, rank % local_size if local_rank is None else local_rank)
 
 
 def cpu_threads(environ: Mapping[str, str] = os.environ) -> int:

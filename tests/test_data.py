@@ -350,6 +350,17 @@ def test_a_damaged_data_directory_is_one_line_for_generate(case, multi30k_slice,
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_a_machines_other_ranks_check_sizes_and_leave_checksums_to_its_first(multi30k_slice, tmp_path):
+    """Every rank reading a WMT-size directory whole cost minutes a launch: one rank a machine does."""
+    flipped = damaged_copy(multi30k_slice, tmp_path / "flipped", lambda d: flip_a_byte(d / "train.en.bin"))
+    assert len(BinarizedCorpus(flipped, "train", checksums=False)) == 400
+    with pytest.raises(ConfigError, match="train.en.bin: fails its checksum"):
+        BinarizedCorpus(flipped, "train")
+    cut = damaged_copy(multi30k_slice, tmp_path / "cut", lambda d: truncate(d / "train.de.bin", 600))
+    with pytest.raises(ConfigError, match="train.de.bin: 600 bytes, but prepare_data wrote"):
+        BinarizedCorpus(cut, "train", checksums=False)
+
+
 def test_references_are_verified_before_scoring(multi30k_slice, tmp_path):
     """A reference file edited after preparation would be scored against silently."""
     data = damaged_copy(multi30k_slice, tmp_path, lambda d: flip_a_byte(d / "test.raw.en"))

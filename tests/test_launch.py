@@ -122,16 +122,24 @@ def test_world_size_follows_the_runners_resource_rules(tmp_path):
 
 
 ENVIRONMENTS = {
-    "not launched": ({}, World(rank=0, size=1, local_size=1)),
-    "deepspeed, node 1 of 2": ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "1"}, World(1, 2, 1)),
-    "torchrun": ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, World(3, 8, 4)),
-    "open mpi": (
-        {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
-        World(5, 8, 4),
+    "not launched": ({}, World(rank=0, size=1, local_size=1, local_rank=0)),
+    "deepspeed, node 1 of 2": (
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "1", "LOCAL_RANK": "0"},
+        World(1, 2, 1, 0),
     ),
-    "mpich": ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"}, World(2, 4, 2)),
-    "deepspeed --launcher mpich": ({"PMI_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, World(1, 4, 2)),
-    "launcher without local size": ({"RANK": "0", "WORLD_SIZE": "2"}, World(0, 2, 2)),
+    "torchrun": ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}, World(3, 8, 4, 3)),
+    "open mpi": (
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        },
+        World(5, 8, 4, 1),
+    ),  # fmt: skip
+    "mpich": ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2", "MPI_LOCALRANKID": "0"}, World(2, 4, 2, 0)),
+    "deepspeed --launcher mpich": ({"PMI_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, World(1, 4, 2, 1)),
+    "launcher without local size": ({"RANK": "1", "WORLD_SIZE": "2"}, World(1, 2, 2, 1)),
 }
 
 

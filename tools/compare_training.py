@@ -23,11 +23,10 @@ from deepspeed.runtime import lr_schedules
 from torch import nn
 
 from corpus.batches import MicroBatches, collate
-from corpus.prepared import BinarizedCorpus
 from model import Transformer
 from model.config import PAD, ConfigError, exit_on_config_error
 from model.loss import label_smoothed_cross_entropy
-from pipeline.config import RunConfig, resolve_run
+from pipeline.config import RunConfig, build_corpus, resolve_run
 from tools.source_use import nll, with_shuffled_sources
 from tools.torchscale_peer import torchscale_model
 
@@ -77,7 +76,7 @@ def encoder_spread(encode: Callable[[torch.Tensor], torch.Tensor], src_tokens: t
 
 
 def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
-    train, valid = BinarizedCorpus(cfg.data.path, "train"), BinarizedCorpus(cfg.data.path, "valid")
+    train, valid = build_corpus(cfg, "train"), build_corpus(cfg, "valid")
     pairs, shuffled = with_shuffled_sources(valid)
     probe_sources = collate(pairs[:ENCODER_SPREAD_SENTENCES])[0][0]
     torch.manual_seed(cfg.train.seed)
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with exit_on_config_error():
         cfg, _ = resolve_run(args.config, args.override, world_size=None)
-        if cfg.data.path is None:
+        if cfg.data.directory is None:
             raise ConfigError("data.path: compare_training needs a prepared data directory")
         if min(args.at) < 1:
             raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")

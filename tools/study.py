@@ -100,7 +100,7 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
 
     from translation.generate import translate
 
-    hypotheses, references, _ = translate(bleu_args(spec, cfg.data.path, save_dir))
+    hypotheses, references, _ = translate(bleu_args(spec, cfg.data.directory, save_dir))
     return BLEU().corpus_score(hypotheses, [references]).score
 
 
@@ -114,7 +114,7 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: 
     record: dict[str, Any] = {"exit": status, "seconds": seconds}
     tick = time.monotonic()
     if status == 0 and latest_tag(directory) is not None:
-        record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.path))
+        record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.directory))
         if classify(cell_records(directory), record, read_baseline(spec), cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
     record["eval_seconds"] = time.monotonic() - tick
@@ -165,12 +165,12 @@ def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
         if (key := change.partition("=")[0].strip()) in GRID_KEYS:
             raise ConfigError(f"study.overrides: {key} is set by each cell; remove it (the grid varies it)")
     configs = {cell: cell_config(spec, cell) for cell in grid}
-    paths = {cfg.data.path for cfg in configs.values()}
-    if len(paths) != 1 or None in paths:
+    paths = {tuple(cfg.data.shards) for cfg in configs.values()}
+    if len(paths) != 1 or () in paths:
         raise ConfigError(
-            f"study: every cell needs the same prepared data.path; the cells have {sorted(map(str, paths))}"
+            f"study: every cell needs the same prepared data.path; the cells have {sorted(map(list, paths))}"
         )
-    data = paths.pop()
+    data = paths.pop()[0]
     corpus = BinarizedCorpus(data, "train")
     for cell, cfg in configs.items():
         cfg.model = with_vocab(cfg.model, corpus)
@@ -190,7 +190,7 @@ def run(spec: StudySpec) -> None:
     grid = cells(spec)
     configs = check(spec, grid)
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    write_baseline(spec, Path(next(iter(configs.values())).data.path))
+    write_baseline(spec, Path(next(iter(configs.values())).data.directory))
     # Seconds per unit of (depth + FIXED_DEPTH) x steps, from the cells finished so far: the estimate of
     # the time left. The fixed part stands for what every cell pays whatever its depth (start-up, the
     # embeddings and output projection, evaluation).

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from corpus.prepare import read_lines
 from corpus.prepared import BinarizedCorpus
+from corpus.text import read_lines
 from model.config import exit_on_config_error
 from pipeline.durable import write_atomic
 from pipeline.heap import keep_freed_blocks

@@ -24,8 +24,8 @@ from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
 from corpus.batches import length_batches, with_eos
-from corpus.prepare import decode_lines, read_lines
 from corpus.prepared import PreparedData
+from corpus.text import decode_lines, read_lines
 from model.config import ConfigError, exit_on_config_error
 from model.search import Hypothesis, beam_search
 from model.transformer import Transformer
@@ -90,7 +90,7 @@ class Translator:
         device, dtype = device_and_dtype(args.device, args.precision)
         self.data = PreparedData(args.data)
         self.model: Transformer = load_reference(args.checkpoint, args.tag).to(device, dtype)
-        check_vocab(args.checkpoint, self.model.cfg, self.data, args.data)
+        check_vocab(args.checkpoint, self.model.cfg, self.data)
         self.args = args
         self.tokenizer, self.detokenizer = (
             spm.SentencePieceProcessor(model_file=str(self.data.sentencepiece_model(lang)))

@@ -1,0 +1,150 @@
+"""Encoding a parallel corpus chunk by chunk, on every core, into SentencePiece ids.
+
+The main process reads both sides in lockstep and hands chunks of pairs to worker processes, which
+decode, filter and encode them; their results come back in order and are written in order, so the
+output is the same bytes whatever the number of workers. Memory holds a few chunks, not the corpus.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+from corpus.text import decode_line
+
+CHUNK = 20_000  # pairs a worker encodes at a time
+BLOCK = 1 << 24  # ids a pass over a whole split's file (counting, remapping) holds at a time
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which training pairs are dropped; held-out splits keep every pair with text on both sides."""
+
+    max_len: int  # pieces, either side
+    max_ratio: float | None  # longer side / shorter side, in pieces
+
+
+@dataclass
+class Chunk:
+    first_line: int  # 0-based line number of the chunk's first pair
+    files: tuple[str, str]  # for error messages
+    lines: tuple[list[bytes], list[bytes]]
+    train: bool
+
+
+@dataclass
+class Encoded:
+    """A chunk's kept pairs: per side, their ids concatenated, their lengths and their raw text."""
+
+    ids: tuple[np.ndarray, np.ndarray]
+    lengths: tuple[np.ndarray, np.ndarray]
+    raw: tuple[bytes, bytes]
+    pairs_read: int
+    dropped_empty: int
+    dropped_long: int
+    dropped_ratio: int
+
+
+_processors: tuple[spm.SentencePieceProcessor, spm.SentencePieceProcessor] | None = None
+
+
+def load_processors(models: tuple[str, str]) -> None:
+    """Worker initializer: the source and target models (the same file when joint)."""
+    global _processors
+    src = spm.SentencePieceProcessor(model_file=models[0])
+    _processors = (src, src if models[1] == models[0] else spm.SentencePieceProcessor(model_file=models[1]))
+
+
+def id_dtype(size: int) -> np.dtype:
+    return np.dtype("uint16") if size < 2**16 else np.dtype("int32")
+
+
+def encode_chunk(chunk: Chunk, filters: Filters) -> Encoded:
+    assert _processors is not None, "load_processors first"
+    texts = [
+        [decode_line(raw, name, chunk.first_line + i + 1) for i, raw in enumerate(lines)]
+        for lines, name in zip(chunk.lines, chunk.files, strict=True)
+    ]
+    nonempty = [i for i, (s, t) in enumerate(zip(*texts, strict=True)) if s.strip() and t.strip()]
+    texts = [[side[i] for i in nonempty] for side in texts]
+    ids = [processor.encode(side, out_type=int) for processor, side in zip(_processors, texts, strict=True)]
+    keep = range(len(nonempty))
+    dropped_long = dropped_ratio = 0
+    if chunk.train:
+        within = [i for i in keep if len(ids[0][i]) <= filters.max_len and len(ids[1][i]) <= filters.max_len]
+        dropped_long = len(keep) - len(within)
+        keep = within
+        if filters.max_ratio is not None:
+            ratio = filters.max_ratio
+            balanced = [i for i in keep if max(n := len(ids[0][i]), m := len(ids[1][i])) <= ratio * min(n, m)]
+            dropped_ratio = len(keep) - len(balanced)
+            keep = balanced
+    if len(keep) < len(nonempty):
+        texts = [[side[i] for i in keep] for side in texts]
+        ids = [[side[i] for i in keep] for side in ids]
+    dtypes = [id_dtype(p.get_piece_size()) for p in _processors]
+    lengths = [np.fromiter(map(len, side), np.int64, count=len(side)) for side in ids]
+    flat = [
+        np.fromiter(itertools.chain.from_iterable(side), dtype, count=int(n.sum()))
+        for side, dtype, n in zip(ids, dtypes, lengths, strict=True)
+    ]
+    raw = ["".join(line + "\n" for line in side).encode("utf-8") for side in texts]
+    return Encoded(
+        ids=(flat[0], flat[1]),
+        lengths=(lengths[0], lengths[1]),
+        raw=(raw[0], raw[1]),
+        pairs_read=len(chunk.lines[0]),
+        dropped_empty=len(chunk.lines[0]) - len(nonempty),
+        dropped_long=dropped_long,
+        dropped_ratio=dropped_ratio,
+    )
+
+
+class Workers:
+    """`workers` processes that encode chunks in order, or this process alone for 1. At most two
+    chunks per worker are in flight, so reading never runs ahead of encoding by more."""
+
+    def __init__(self, workers: int, models: tuple[str, str]):
+        self.workers = workers
+        self.pool = (
+            None if workers == 1 else ProcessPoolExecutor(workers, initializer=load_processors, initargs=(models,))
+        )
+        if self.pool is None:
+            load_processors(models)
+
+    def map(self, fn: Callable, tasks: Iterable, *args) -> Iterator:
+        if self.pool is None:
+            yield from (fn(task, *args) for task in tasks)
+            return
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(self.pool.submit(fn, task, *args))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
+def remap(spm_ids: Path, out: Path, lookup: np.ndarray, spm_dtype: np.dtype) -> None:
+    """SentencePiece ids -> dictionary ids, a block at a time; the SentencePiece file is removed."""
+    with out.open("wb") as f:
+        if spm_ids.stat().st_size:
+            data = np.memmap(spm_ids, dtype=spm_dtype, mode="r")
+            for start in range(0, len(data), BLOCK):
+                lookup[data[start : start + BLOCK]].tofile(f)
+            del data
+    spm_ids.unlink()

@@ -1,0 +1,57 @@
+"""Raw text as users have it: plain or gzipped UTF-8, one sentence per line, read as a stream.
+
+Lines are split on newlines only (str.splitlines would also split on U+2028, form feeds, ..., and
+misalign the two sides of a parallel corpus).
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from model.config import ConfigError
+
+GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # cut short, not gzip, damaged inside
+
+
+def find_file(prefix: str, lang: str) -> Path:
+    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz)")
+
+
+def raw_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes, newline included. gzip checks its checksum only at the end of the
+    stream, so a damaged file is a ConfigError when the reader gets there: whoever reads to the end has
+    read the file whole, without holding it."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        try:
+            yield from f
+        except GZIP_ERRORS as err:
+            raise ConfigError(f"{path}: not a whole gzip file ({err}); download or compress it again") from None
+
+
+def decode_line(raw: bytes, name: str | Path, lineno: int) -> str:
+    """One line as text without its line ending; bytes that are not UTF-8 are an error naming the line."""
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{name}:{lineno}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode the file as UTF-8"
+        ) from None
+
+
+def decode_lines(f: BinaryIO, name: str | Path) -> list[str]:
+    """Every line of a binary stream as text (decode_line)."""
+    return [decode_line(raw, name, lineno) for lineno, raw in enumerate(f, 1)]
+
+
+def read_lines(path: Path) -> list[str]:
+    """Every line of a plain or gzipped file as text: for files of a few thousand lines (references,
+    sentences to translate); a corpus is streamed (raw_lines)."""
+    return [decode_line(raw, path, lineno) for lineno, raw in enumerate(raw_lines(path), 1)]

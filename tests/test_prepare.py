@@ -1,0 +1,194 @@
+"""prepare_data at scale: streamed in chunks over worker processes, SentencePiece on a seeded sample or
+given, WMT-style filtering, and shards that training reads as one corpus."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from corpus import prepare
+from corpus.prepare import main as prepare_main
+from corpus.prepared import BinarizedCorpus, ShardedCorpus
+from model.config import ConfigError
+from pipeline.config import load_config
+from pipeline.train import main as train_main
+from tests.conftest import ROOT, write_slice
+from tools.standin_corpus import write_standin
+
+ARGS = ["--src", "de", "--tgt", "en"]
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> Path:
+    """6,000 WMT-length pairs, and Multi30k's first 100 validation pairs."""
+    folder = tmp_path_factory.mktemp("standin")
+    write_standin(folder / "train", 6000)
+    write_slice(folder, "val", 100)
+    return folder
+
+
+def run_prepare(standin: Path, out: Path, *extra: str) -> dict:
+    prepare_main([*ARGS, "--train", str(standin / "train"), "--valid", str(standin / "val"), "--out", str(out), *extra])
+    return json.loads((out / "meta.json").read_text())
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_the_output_is_the_same_bytes_for_any_number_of_workers(standin, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "CHUNK", 700)  # nine chunks, so two workers really share them
+    for workers in ("1", "2"):
+        run_prepare(standin, tmp_path / workers, "--vocab-size", "500", "--spm-sample", "4000", "--workers", workers)
+    assert contents(tmp_path / "1") == contents(tmp_path / "2")
+
+
+def test_sentencepiece_trains_on_a_seeded_sample_recorded_in_meta(standin, tmp_path):
+    meta = run_prepare(standin, tmp_path / "a", "--vocab-size", "500", "--spm-sample", "3000")
+    assert meta["sentencepiece"]["trained"]["sample"] == [{"sentences": 3000, "of": 12000}]
+    assert meta["sentencepiece"]["trained"]["seed"] == prepare.SPM_SEED
+    run_prepare(standin, tmp_path / "b", "--vocab-size", "500", "--spm-sample", "3000", "--workers", "1")
+    assert (tmp_path / "a" / "spm.model").read_bytes() == (tmp_path / "b" / "spm.model").read_bytes()
+    run_prepare(standin, tmp_path / "c", "--vocab-size", "500", "--spm-sample", "3000", "--spm-seed", "2")
+    assert (tmp_path / "a" / "spm.model").read_bytes() != (tmp_path / "c" / "spm.model").read_bytes()
+    everything = run_prepare(standin, tmp_path / "d", "--vocab-size", "500")  # the default covers 12,000
+    assert everything["sentencepiece"]["trained"]["sample"] == [{"sentences": 12000, "of": 12000}]
+
+
+def test_a_given_sentencepiece_model_is_used_as_it_is(standin, tmp_path, capsys):
+    run_prepare(standin, tmp_path / "first", "--vocab-size", "500", "--spm-sample", "3000")
+    model = tmp_path / "first" / "spm.model"
+    meta = run_prepare(standin, tmp_path / "given", "--spm-model", str(model))
+    assert meta["sentencepiece"] == {"given": [str(model)]}
+    assert contents(tmp_path / "given")["dict.en.txt"] == contents(tmp_path / "first")["dict.en.txt"]
+    assert contents(tmp_path / "given")["train.de.bin"] == contents(tmp_path / "first")["train.de.bin"]
+    with pytest.raises(SystemExit):
+        run_prepare(standin, tmp_path / "bad", "--spm-model", str(model), "--vocab-size", "800")
+    assert f"--spm-model {model}: has 500 pieces but --vocab-size is 800" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_long_and_unbalanced_training_pairs_are_dropped_and_counted(standin, tmp_path):
+    meta = run_prepare(standin, tmp_path / "out", "--vocab-size", "500", "--max-len", "60", "--max-ratio", "1.3")
+    train = meta["splits"]["train"]
+    assert train["dropped_too_long"] > 0 and train["dropped_ratio"] > 0
+    assert train["pairs"] == 6000 - train["dropped_too_long"] - train["dropped_ratio"]
+    assert meta["filters"] == {"max_len": 60, "max_ratio": 1.3}
+    corpus = BinarizedCorpus(tmp_path / "out", "train")
+    src, tgt = corpus.sources.lengths, corpus.targets.lengths
+    assert len(corpus) == train["pairs"] and max(src.max(), tgt.max()) <= 60
+    assert (np.maximum(src, tgt) <= 1.3 * np.minimum(src, tgt)).all()
+    assert meta["splits"]["valid"]["pairs"] == 100  # held-out data keeps every pair
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--workers", "0"], "--workers: must be at least 1, got 0"),
+        (["--spm-sample", "0"], "--spm-sample: must be at least 1 sentence, got 0"),
+        (["--max-ratio", "0.5"], "--max-ratio: must be at least 1"),
+        (["--spm-model", "/no/such.model"], "--spm-model /no/such.model: no such file"),
+        (["--spm-model", "__file__"], "not a SentencePiece model"),
+        (["--vocab-from", "/no/such/dir"], "/no/such/dir: not a prepared data directory"),
+    ],
+)
+def test_bad_options_are_one_line_before_any_work(standin, tmp_path, capsys, extra, message):
+    extra = [str(Path(__file__)) if arg == "__file__" else arg for arg in extra]
+    vocab = [] if "--vocab-from" in extra else ["--vocab-size", "500"]
+    with pytest.raises(SystemExit) as exc:
+        run_prepare(standin, tmp_path / "out", *vocab, *extra)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def shards(standin, tmp_path_factory) -> dict[str, Path]:
+    """The stand-in as two shards (the second prepared with --vocab-from the first), and whole, with the
+    same vocabulary."""
+    folder = tmp_path_factory.mktemp("shards")
+    lines = {lang: (standin / f"train.{lang}").read_text().splitlines(True) for lang in ("de", "en")}
+    for name, part in (("part0", slice(0, 4000)), ("part1", slice(4000, None))):
+        for lang in lines:
+            (folder / f"{name}.{lang}").write_text("".join(lines[lang][part]))
+    valid = ["--valid", str(standin / "val"), "--spm-sample", "3000"]
+    out = {name: folder / name for name in ("shard0", "shard1", "whole")}
+    prepare_main([*ARGS, "--train", str(folder / "part0"), *valid, "--vocab-size", "500", "--out", str(out["shard0"])])
+    for name, train in (("shard1", folder / "part1"), ("whole", standin / "train")):
+        prepare_main(
+            [*ARGS, "--train", str(train), *valid, "--vocab-from", str(out["shard0"]), "--out", str(out[name])]
+        )
+    return out
+
+
+def test_shards_are_read_as_one_corpus(shards):
+    """Two shards give training the very pairs, in the same order, as the corpus prepared whole."""
+    for name in ("shard1", "whole"):
+        for file in ("dict.de.txt", "dict.en.txt", "spm.model"):
+            assert (shards[name] / file).read_bytes() == (shards["shard0"] / file).read_bytes()
+    sharded, whole = (
+        ShardedCorpus([shards["shard0"], shards["shard1"]], "train"),
+        BinarizedCorpus(shards["whole"], "train"),
+    )
+    assert len(sharded) == len(whole) == 6000
+    assert np.array_equal(sharded.lengths(), whole.lengths())
+    for index in (0, 3999, 4000, 5999):
+        assert all(np.array_equal(a, b) for a, b in zip(sharded.pair(index), whole.pair(index), strict=True))
+
+
+def test_a_list_of_shards_trains_with_validation_from_the_first(shards, tmp_path):
+    config = ROOT / "ds_configs" / "default.json"
+    cfg = load_config(config, [f"data.path={json.dumps([str(shards['shard0']), str(shards['shard1'])])}"], 2)
+    assert cfg.data.shards == [str(shards["shard0"]), str(shards["shard1"])]
+    assert cfg.data.directory == str(shards["shard0"])
+
+
+def test_shards_with_other_dictionaries_are_one_line(shards, standin, tmp_path, capsys, monkeypatch):
+    other = tmp_path / "other"
+    run_prepare(standin, other, "--vocab-size", "400", "--spm-sample", "3000")
+    with pytest.raises(
+        ConfigError,
+        match=f"shard {other} has another dict.de.txt than {shards['shard0']}; prepare it with --vocab-from",
+    ):
+        ShardedCorpus([shards["shard0"], other], "train")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for path, message in (
+        ([str(shards["shard0"]), str(other)], f"shard {other} has another dict.de.txt"),
+        (
+            [str(shards["shard0"]), str(tmp_path / "nothing")],
+            f"{tmp_path / 'nothing'} is not a prepared data directory",
+        ),
+        ([str(shards["shard0"])] * 2, "names a shard twice"),
+        ([], "data.path: an empty list"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            train_main(["--config", str(ROOT / "ds_configs" / "default.json"), "--override",
+                        f"data.path={json.dumps(path)}", f"train.save_dir={tmp_path / 'run'}"])  # fmt: skip
+        err = [line for line in capsys.readouterr().err.splitlines() if "fathom: error" in line]
+        assert exc.value.code == 2 and len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "run").exists()
+
+
+PEAK = """
+import resource, sys
+from corpus.prepare import main
+main(sys.argv[1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Ten times the pairs, the same peak: nothing holds the corpus (one process, the same sample)."""
+    peaks = {}
+    valid = write_slice(tmp_path, "val", 50)
+    for pairs in (10_000, 200_000):
+        write_standin(tmp_path / f"train{pairs}", pairs)
+        args = [*ARGS, "--train", str(tmp_path / f"train{pairs}"), "--valid", valid, "--vocab-size", "500",
+                "--spm-sample", "5000", "--workers", "1", "--out", str(tmp_path / f"out{pairs}")]  # fmt: skip
+        result = subprocess.run([sys.executable, "-c", PEAK, *args], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        peaks[pairs] = int(result.stdout.split()[-1]) / 1024  # MiB
+    assert peaks[200_000] < peaks[10_000] + 25, peaks

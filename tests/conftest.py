@@ -153,3 +153,13 @@ def without_matplotlib(tmp_path: Path) -> dict[str, str]:
         "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
     )
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="session")
+def fairseq_bin() -> Path:
+    """bin/ of the cached fairseq 0.12.2 environment (built on first use: a few minutes)."""
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup_fairseq_env.sh")], capture_output=True, text=True, timeout=1800
+    )
+    assert result.returncode == 0, f"setting up fairseq failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return Path(result.stdout.strip().splitlines()[-1]) / "bin"

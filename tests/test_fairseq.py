@@ -50,16 +50,6 @@ def convert_to(run: Path, data: Path, out: Path, *extra: str) -> None:
     to_fairseq.main(["--checkpoint", str(run), "--data", str(data), "--out", str(out), *extra])
 
 
-@pytest.fixture(scope="session")
-def fairseq_bin() -> Path:
-    """bin/ of the cached fairseq 0.12.2 environment (built on first use: a few minutes)."""
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "setup_fairseq_env.sh")], capture_output=True, text=True, timeout=1800
-    )
-    assert result.returncode == 0, f"setting up fairseq failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return Path(result.stdout.strip().splitlines()[-1]) / "bin"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, multi30k_slice) -> Path:
     """Every case trained with 2 pipeline stages on real Multi30k pairs (one launch)."""

@@ -140,11 +140,9 @@ class Workers:
 
 
 def remap(spm_ids: Path, out: Path, lookup: np.ndarray, spm_dtype: np.dtype) -> None:
-    """SentencePiece ids -> dictionary ids, a block at a time; the SentencePiece file is removed."""
-    with out.open("wb") as f:
-        if spm_ids.stat().st_size:
-            data = np.memmap(spm_ids, dtype=spm_dtype, mode="r")
-            for start in range(0, len(data), BLOCK):
-                lookup[data[start : start + BLOCK]].tofile(f)
-            del data
+    """SentencePiece ids -> dictionary ids, a block at a time (read, not memory-mapped: a mapping keeps
+    every page it read resident, GBs at WMT size); the SentencePiece file is removed."""
+    with spm_ids.open("rb") as source, out.open("wb") as f:
+        while len(block := np.fromfile(source, dtype=spm_dtype, count=BLOCK)):
+            lookup[block].tofile(f)
     spm_ids.unlink()

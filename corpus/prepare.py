@@ -237,20 +237,22 @@ def chunks(split: SplitFiles) -> itertools.Iterator[Chunk]:
 
 @dataclass
 class Binarized:
-    """A split encoded into SentencePiece ids (SPLIT.LANG.spm), with its raw text written."""
+    """A split encoded into SentencePiece ids (SPLIT.LANG.spm) and sentence end offsets
+    (SPLIT.LANG.ends), with its raw text written."""
 
-    lengths: tuple[np.ndarray, np.ndarray]
+    pairs: int
     dropped: dict[str, int]
 
 
 def binarize(
     split: SplitFiles, scanned: Scan, workers: Workers, filters: Filters, langs: tuple, tmp: Path
 ) -> Binarized:
-    lengths: tuple[list, list] = ([], [])
+    pairs, ends = 0, [0, 0]  # tokens written so far per side: where the next sentence starts
     dropped = {"dropped_empty": 0, "dropped_too_long": 0, "dropped_ratio": 0}
     with ExitStack() as files:
         ids_out = [files.enter_context((tmp / f"{split.name}.{lang}.spm").open("wb")) for lang in langs]
         raw_out = [files.enter_context((tmp / f"{split.name}.raw.{lang}").open("wb")) for lang in langs]
+        ends_out = [files.enter_context((tmp / f"{split.name}.{lang}.ends").open("wb")) for lang in langs]
         progress = files.enter_context(
             tqdm(total=scanned.lines, desc=f"encoding {split.name}", unit=" pairs", unit_scale=True, leave=False)
         )
@@ -259,21 +261,33 @@ def binarize(
             for side in range(2):
                 encoded.ids[side].tofile(ids_out[side])
                 raw_out[side].write(encoded.raw[side])
-                lengths[side].append(encoded.lengths[side])
+                (ends[side] + np.cumsum(encoded.lengths[side])).tofile(ends_out[side])
+                ends[side] += int(encoded.lengths[side].sum())
             dropped["dropped_empty"] += encoded.dropped_empty
             dropped["dropped_too_long"] += encoded.dropped_long
             dropped["dropped_ratio"] += encoded.dropped_ratio
+            pairs += len(encoded.lengths[0])
             progress.update(encoded.pairs_read)
-    return Binarized((np.concatenate(lengths[0]), np.concatenate(lengths[1])), dropped)
+    return Binarized(pairs, dropped)
+
+
+def write_index(ends: Path, pairs: int, out: Path) -> None:
+    """OUT (.npy, as np.save writes it): 0 and the sentence end offsets, copied a block at a time from
+    ENDS, which is removed; the index of a WMT-size split is hundreds of MB."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)), "fortran_order": False, "shape": (pairs + 1,)}
+    with out.open("wb") as f, ends.open("rb") as source:
+        np.lib.format.write_array_header_1_0(f, header)
+        np.zeros(1, np.int64).tofile(f)
+        shutil.copyfileobj(source, f, BLOCK)
+    ends.unlink()
 
 
 def piece_counts(spm_ids: Path, size: int) -> np.ndarray:
     """How often each SentencePiece id occurs in the file, a block at a time."""
     counts = np.zeros(size, dtype=np.int64)
-    if spm_ids.stat().st_size:
-        data = np.memmap(spm_ids, dtype=id_dtype(size), mode="r")
-        for start in range(0, len(data), BLOCK):
-            counts += np.bincount(data[start : start + BLOCK], minlength=size)
+    with spm_ids.open("rb") as f:
+        while len(block := np.fromfile(f, dtype=id_dtype(size), count=BLOCK)):
+            counts += np.bincount(block, minlength=size)
     return counts
 
 
@@ -297,15 +311,13 @@ def write_split(
 ) -> None:
     """SPLIT.LANG.bin in dictionary ids and SPLIT.LANG.idx.npy, from the split's SentencePiece ids."""
     assert vocab.dictionaries is not None
-    for side, (lang, processor, dictionary) in enumerate(
-        zip(langs, vocab.processors(), vocab.dictionaries, strict=True)
-    ):
+    for lang, processor, dictionary in zip(langs, vocab.processors(), vocab.dictionaries, strict=True):
         lookup = np.full(processor.get_piece_size(), UNK, dtype=dtype)
         for i in range(processor.get_piece_size()):
             if i != processor.unk_id():
                 lookup[i] = dictionary.index.get(processor.id_to_piece(i), UNK)
         remap(tmp / f"{name}.{lang}.spm", tmp / f"{name}.{lang}.bin", lookup, id_dtype(processor.get_piece_size()))
-        np.save(tmp / f"{name}.{lang}.idx.npy", np.concatenate([[0], np.cumsum(binarized.lengths[side])]))
+        write_index(tmp / f"{name}.{lang}.ends", binarized.pairs, tmp / f"{name}.{lang}.idx.npy")
 
 
 def prepare(args: argparse.Namespace) -> dict:
@@ -330,7 +342,7 @@ def prepare(args: argparse.Namespace) -> dict:
         with Workers(args.workers, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
             binarized = {s.name: binarize(s, scans[s.name], workers, filters, langs, tmp) for s in splits}
         train = binarized["train"]
-        if not len(train.lengths[0]):
+        if not train.pairs:
             culprits = {
                 f"--max-len {args.max_len}": train.dropped["dropped_too_long"],
                 f"--max-ratio {args.max_ratio}": train.dropped["dropped_ratio"],
@@ -356,7 +368,7 @@ def prepare(args: argparse.Namespace) -> dict:
             "sentencepiece": spm_record,
             "filters": {"max_len": args.max_len, "max_ratio": args.max_ratio},
             "splits": {
-                s.name: {"pairs": len(binarized[s.name].lengths[0]), **binarized[s.name].dropped, "source": s.prefix}
+                s.name: {"pairs": binarized[s.name].pairs, **binarized[s.name].dropped, "source": s.prefix}
                 for s in splits
             },
             "files": {f.name: file_record(f) for f in sorted(tmp.iterdir())},

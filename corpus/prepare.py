@@ -353,7 +353,7 @@ def prepare(args: argparse.Namespace) -> dict:
             raise ConfigError(f"train: no pairs left ({dropped} dropped); raise {raise_}")
         if vocab.dictionaries is None:
             vocab.dictionaries = count_dictionaries(vocab, langs, tmp)
-        dtype = "uint16" if max(len(d) for d in vocab.dictionaries) < 2**16 else "int32"
+        dtype = id_dtype(max(len(d) for d in vocab.dictionaries)).name
         for lang, dictionary in zip(langs, vocab.dictionaries, strict=True):
             dictionary.save(tmp / f"dict.{lang}.txt")
         for name, split in binarized.items():

@@ -83,14 +83,6 @@ class Dictionary:
         return pieces
 
 
-def write_indexed(prefix: Path, sequences: list[list[int]], dtype: np.dtype) -> None:
-    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    data = np.fromiter((t for s in sequences for t in s), dtype=dtype, count=int(offsets[-1]))
-    data.tofile(prefix.with_name(prefix.name + ".bin"))
-    np.save(prefix.with_name(prefix.name + ".idx.npy"), offsets)
-
-
 class IndexedDataset:
     """Sentences of token ids, read from a memory-mapped file: a corpus larger than RAM works."""
 

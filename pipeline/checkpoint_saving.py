@@ -51,8 +51,9 @@ from pipeline.checkpoint import (
 )
 from pipeline.config import RunConfig
 from pipeline.config_history import flat, read_back, shown
-from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine
+from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
 from pipeline.durable import fsync_dir, save_file, unique_sibling, write_atomic
+from pipeline.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
 from pipeline.world import end_distributed
 
 
@@ -125,7 +126,8 @@ def save(
     if dist.get_rank() == 0:
         files = {name: entry for written in every_rank for name, entry in written.items()}
         manifest = {"tag": tag, "step": engine.global_steps, "schedule_step": schedule_step,
-                    "world_size": dist.get_world_size(), "files": files}  # fmt: skip
+                    "world_size": dist.get_world_size(), "shape": engine_shape(engine).record(),
+                    "files": files}  # fmt: skip
         write_atomic(save_dir / tag / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         # A best checkpoint is a whole checkpoint, and the newest: `latest` names it too, so a stop before
         # the next global_stepN resumes from it, and nothing deletes the tag `latest` names.
@@ -135,6 +137,7 @@ def save(
             link_atomic(save_dir / BEST, tag)
             if previous is not None and previous != tag:
                 shutil.rmtree(save_dir / previous, ignore_errors=True)
+        remove_universal(save_dir)  # what a resume on a new shape loaded: this checkpoint replaces it
     dist.barrier()
     return tag
 
@@ -142,12 +145,20 @@ def save(
 def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, Any]:
     """Resumes from the latest (committed) checkpoint; returns its client state."""
     verify_contents(save_dir)
+    committed = committed_files(save_dir)
+    reshaped = None if committed is None else prepare_reshape(engine, *committed)
     try:
-        path, client_state = engine.load_checkpoint(str(save_dir))
+        if reshaped is None:
+            path, client_state = engine.load_checkpoint(str(save_dir))
+        else:
+            with universal_loading(engine):
+                path, client_state = engine.load_checkpoint(str(save_dir), tag=reshaped[0])
     except RuntimeError as err:  # e.g. a state dict that does not fit the model, if check_resume was skipped
         first = (str(err).strip().splitlines() or ["RuntimeError"])[0]
         raise ConfigError(f"{save_dir}: the latest checkpoint does not fit this model ({first})") from None
     if dist.get_rank() == 0:
+        if reshaped is not None:
+            print(f"fathom: resuming {reshaped[1]}", flush=True)
         print(f"fathom: resumed from {save_dir}/{Path(path).parent.name} at step {engine.global_steps}", flush=True)
         if removed := remove_uncommitted(save_dir):
             print(f"fathom: removed what crashed saves left: {', '.join(removed)}", flush=True)
@@ -166,21 +177,15 @@ def committed_files(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     return None if manifest is None else (checkpoint, manifest)
 
 
-def verify(save_dir: str | Path, world_size: int) -> None:
-    """Fails in one line unless the latest checkpoint's files are all there at their saved sizes and it
-    fits a launch of `world_size` ranks. Reads no file: every rank runs it before launching."""
+def verify(save_dir: str | Path) -> None:
+    """Fails in one line unless the latest checkpoint's files are all there at their saved sizes. Reads
+    no file: every rank runs it before launching."""
     if (committed := committed_files(save_dir)) is None:
         return
     checkpoint, manifest = committed
     for name, entry in sorted(manifest["files"].items()):
         if problem := file_damage(checkpoint / name, entry, read=False):
             raise ConfigError(problem)
-    if manifest["world_size"] != world_size:
-        raise ConfigError(
-            f"--resume: checkpoint {checkpoint.name} was written by {manifest['world_size']} processes and this "
-            f"launch has {world_size}; launch {manifest['world_size']}, or start a new run from its weights with "
-            f"train.init_from={save_dir}"
-        )
 
 
 def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
@@ -240,14 +245,61 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
                 f"here; it acts only when a run starts, which this one did: resume with its value, or start a "
                 "new run in another train.save_dir"
             )
-    stages = trained["pipeline"]["stages"]
-    if stages != cfg.stages:
+    verify(save_dir)
+    checkpoint = save_dir / latest_tag(save_dir)
+    check_optimizer_state(save_dir, checkpoint, cfg.deepspeed)
+    check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size)
+
+
+def accumulation(ds: dict[str, Any], replicas: int) -> int:
+    """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given."""
+    if "gradient_accumulation_steps" in ds:
+        return ds["gradient_accumulation_steps"]
+    if "train_batch_size" in ds:
+        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * replicas)
+    return 1
+
+
+def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int) -> None:
+    """Fails in one line unless this launch can continue the checkpoint on its shape: a new stage count
+    or replica count needs a checkpoint fathom can reshape (pipeline/reshape.py) and the run's batches,
+    micro-batch for micro-batch: a replica count that divides the micro-batches of a step."""
+    manifest = read_manifest(checkpoint)
+    replicas = world_size // cfg.stages
+    restart = f"or start a new run from its weights with train.init_from={save_dir}"
+    if manifest is None:  # written before fathom recorded shapes: only its own shape loads it
+        was = Shape(stages, (model_states(checkpoint) or {}).get("dp_world_size", replicas))
+        if (was.stages, was.replicas) != (cfg.stages, replicas):
+            raise ConfigError(
+                f"--resume: {checkpoint.name} was written as {was} before fathom reshaped checkpoints; resume as "
+                f"{was}, {restart}"
+            )
+        return
+    saved = saved_shape(manifest)
+    if (saved.stages, saved.replicas) == (cfg.stages, replicas):
+        return
+    trained = (model_states(checkpoint) or {}).get("ds_config") or {}
+    if not trained:
+        raise ConfigError(f"--resume: {checkpoint.name} was not written by DeepSpeed's engine; resume as {saved}")
+    if not sharded(manifest) and saved.stages != cfg.stages:
         raise ConfigError(
-            f"--resume: pipeline.stages is {stages} in {save_dir} but {cfg.stages} here; resume with {stages} "
-            f"stages, or start a new run from its weights with train.init_from={save_dir}"
+            f"--resume: {checkpoint.name} keeps its optimizer state per stage without ZeRO (zero_optimization.stage "
+            f"0), which DeepSpeed cannot reshape; resume with {saved.stages} stages, {restart}"
         )
-    verify(save_dir, world_size)
-    check_optimizer_state(save_dir, save_dir / latest_tag(save_dir), cfg.deepspeed)
+    micro, was = trained["train_micro_batch_size_per_gpu"], accumulation(trained, saved.replicas) * saved.replicas
+    now = accumulation(cfg.deepspeed, replicas) * replicas
+    if cfg.deepspeed["train_micro_batch_size_per_gpu"] == micro and now == was:
+        return
+    if was % replicas:
+        fix = f"launch a replica count that divides {was}"
+    else:
+        fix = (f"set gradient_accumulation_steps={was // replicas}, train_batch_size={micro * was} and "
+               f"train_micro_batch_size_per_gpu={micro}")  # fmt: skip
+    raise ConfigError(
+        f"--resume: {checkpoint.name} took {was} micro-batches of {micro} a step as {saved}; as "
+        f"{Shape(cfg.stages, replicas)} this config takes {now} of {cfg.deepspeed['train_micro_batch_size_per_gpu']}; "
+        f"to go on with the run's batches, {fix}"
+    )
 
 
 # Settings that act only when a run starts (its first weights); a resume that changed them would ignore them.

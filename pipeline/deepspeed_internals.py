@@ -54,16 +54,21 @@ def stage_layers(pipe: PipelineModule) -> Iterator[tuple[int, int, nn.Module | C
     """(offset in this stage, pipeline layer index, what the stage calls for it): a module, or for a
     tied layer's later use, the function DeepSpeed calls instead of its forward."""
     for offset, func in enumerate(pipe.forward_funcs):
-        yield offset, pipe._local_start + offset, func
+        yield offset, int(pipe._local_start) + offset, func  # numpy's int64 after some partition methods
 
 
 def stage_range(pipe: PipelineModule) -> range:
     """The pipeline layer indices this rank's stage holds."""
-    return range(pipe._local_start, pipe._local_stop)
+    return range(int(pipe._local_start), int(pipe._local_stop))
 
 
 def replace_stage_call(pipe: PipelineModule, offset: int, func: Callable[..., Any]) -> None:
     pipe.forward_funcs[offset] = func
+
+
+def stage_bounds(pipe: PipelineModule) -> list[int]:
+    """The first layer of each stage, then the layer count, as the partition cut them."""
+    return [int(bound) for bound in pipe.parts]
 
 
 # PipelineEngine
@@ -153,6 +158,18 @@ def clear_pipe_buffers(engine: deepspeed.PipelineEngine) -> None:
     for buffer in engine.pipe_buffers.values():
         buffer.clear()
     engine.loss = None
+
+
+@contextlib.contextmanager
+def universal_loading(engine: deepspeed.PipelineEngine) -> Iterator[None]:
+    """Within the block, load_checkpoint reads a universal checkpoint (what `"checkpoint": {"load_universal":
+    true}` makes every load read); the engine's config stays as it was for later loads."""
+    config = engine._config
+    before, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
 
 
 # ZeRO-1 parameters

@@ -84,9 +84,16 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     total = _require_int(ds, "train_batch_size")
     accumulation = _require_int(ds, "gradient_accumulation_steps")
     if total is not None and accumulation is not None and total != micro * accumulation * data_parallel:
+        keep = total // (micro * data_parallel)
+        same_batch = (
+            f"gradient_accumulation_steps to {keep} to keep {total} a step, or "
+            if keep and keep * micro * data_parallel == total
+            else ""
+        )
         raise ConfigError(
             f"train_batch_size: {total} != train_micro_batch_size_per_gpu {micro} x gradient_accumulation_steps "
-            f"{accumulation} x {data_parallel} data-parallel ranks; set it to {micro * accumulation * data_parallel}"
+            f"{accumulation} x {data_parallel} data-parallel ranks; set {same_batch}train_batch_size to "
+            f"{micro * accumulation * data_parallel}"
         )
     if total is not None and total % (micro * data_parallel):
         raise ConfigError(

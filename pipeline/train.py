@@ -45,6 +45,7 @@ from pipeline.config_history import record_config
 from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
 from pipeline.deepspeed_values import precision_warning
 from pipeline.distributed import init_distributed
+from pipeline.dropout_masks import DropoutMasks
 from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import layer_specs
 from pipeline.logs import MetricsLog
@@ -145,11 +146,6 @@ def updates(engine: deepspeed.PipelineEngine, offset: int) -> int:
     started (`offset`). DeepSpeed counts a skipped step in global_steps; its LR schedule does not move
     on one, nor does fairseq's update counter, so neither does alpha_t."""
     return offset + engine.global_steps - engine.skipped_steps
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Dropout's RNG depends only on (seed, step, rank), so a resumed run draws the same masks."""
-    return (seed * 1_000_003 + step) * 4099 + rank
 
 
 def _float(value: Any) -> float | None:
@@ -264,6 +260,7 @@ def run(
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
         data_parallel_size=engine.grid.get_data_parallel_world_size(),
     )
+    masks = DropoutMasks(engine, cfg.train.seed)
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
     best = Best(cfg.train.best_metric, save_dir)
     if rank == 0 and best.tag is not None:
@@ -290,7 +287,7 @@ def run(
         watchdog.progress(f"training step {step + 1}")
         for hook in hooks:
             hook(t)
-        torch.manual_seed(step_seed(cfg.train.seed, step, rank))
+        masks.start(step)
         with breakdown.step() if breakdown else contextlib.nullcontext():
             record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(t), **guard.step_record()}
         metrics.write(record)

@@ -81,8 +81,16 @@ def test_checkpoints_are_committed_whole(trained):
     [
         (["model.embed_dim=32"], 2, "--resume: model.embed_dim is 64 in"),
         (["model.norm_scheme=pre_ln"], 2, "--resume: model.norm_scheme is branchnorm in"),
-        (["pipeline.stages=1", "train_batch_size=64"], 2, "--resume: pipeline.stages is 2 in"),
-        (["train_batch_size=64"], 4, "was written by 2 processes and this launch has 4; launch 2"),
+        # another shape resumes (tests/test_reshape.py), on the run's batches only
+        (
+            ["pipeline.stages=1", "train_batch_size=64"],
+            2,
+            "--resume: global_step2 took 4 micro-batches of 8 a step as 2 stages x 1 replica; as 1 stage x 2 "
+            "replicas this config takes 8 of 8; to go on with the run's batches, set gradient_accumulation_steps=2, "
+            "train_batch_size=32 and train_micro_batch_size_per_gpu=8",
+        ),
+        (["train_batch_size=96", "gradient_accumulation_steps=4"], 6, "launch a replica count that divides 4"),
+        (["pipeline.stages=5"], 5, "pipeline.stages: 5 stages for 4 Transformer layers; use at most 4 stages"),
         # the optimizer state is kept in the form its precision, ZeRO stage and optimizer gave it
         (
             ["bf16.enabled=true"],
@@ -108,6 +116,31 @@ def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, mu
     latest_file(run, "zero_pp_rank_*").unlink()
     layer.unlink()
     assert "missing; restore the file" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+
+
+ONE_STAGE = ["pipeline.stages=1", "gradient_accumulation_steps=2"]  # the run's batches as 1 stage x 2 replicas
+
+
+def test_a_resume_on_another_shape_refuses_a_damaged_checkpoint(capsys, monkeypatch, run, multi30k_slice):
+    optimizer = latest_file(run, "zero_pp_rank_*")
+    with open(optimizer, "r+b") as f:
+        f.truncate(optimizer.stat().st_size - 1)
+    assert "bytes, but" in resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
+
+
+def test_a_checkpoint_without_a_recorded_shape_or_partitions_resumes_only_on_its_shape(
+    capsys, monkeypatch, run, multi30k_slice
+):
+    checkpoint = run / checkpoint_saving.latest_tag(run)
+    manifest = read_manifest(checkpoint)
+    # ZeRO 0 keeps each stage's optimizer state whole in its model-states file
+    unsharded = {**manifest, "files": {n: e for n, e in manifest["files"].items() if "zero_pp_rank" not in n}}
+    (checkpoint / checkpoint_saving.MANIFEST).write_text(json.dumps(unsharded))
+    err = resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
+    assert "without ZeRO (zero_optimization.stage 0), which DeepSpeed cannot reshape; resume with 2 stages" in err
+    (checkpoint / checkpoint_saving.MANIFEST).unlink()  # as before fathom committed checkpoints
+    err = resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
+    assert "global_step2 was written as 2 stages x 1 replica before fathom reshaped checkpoints; resume as" in err
 
 
 def test_resume_refuses_a_latest_naming_nothing(capsys, monkeypatch, run, multi30k_slice):

@@ -86,6 +86,12 @@ CASES = [
         "pipeline.activation_checkpointing_interval: unknown key; did you mean 'activation_checkpoint_interval'?",
     ),
     (set_key(["train_batch_size"], 30), "train_batch_size: 30 != train_micro_batch_size_per_gpu 8 x"),
+    # a resume on twice the replicas: the accumulation that keeps the run's batch is offered first
+    (
+        set_key(["gradient_accumulation_steps"], 8),
+        "x gradient_accumulation_steps 8 x 1 data-parallel ranks; set gradient_accumulation_steps to 4 to keep 32 "
+        "a step, or train_batch_size to 64",
+    ),
     (set_key(["model", "embed_dim"], 66), "model.embed_dim: 66 is not divisible by model.attention_heads 4"),
     (lambda raw: raw.pop("train"), "train: missing section"),
     (

@@ -1,0 +1,88 @@
+"""Dropout masks that depend on (seed, micro-batch, layer) only, whatever the run's shape.
+
+A rank's random stream would make a mask depend on which stage holds a layer, which layers came
+before it there and which replica reads the micro-batch: a run resumed on another shape (pipeline/
+reshape.py) would draw other masks and leave the uninterrupted run's path. Instead every layer of a
+stage reseeds torch's generators as it starts, from the run's seed, the global index of the
+micro-batch it runs (the one MicroBatches numbers: (step x accumulation + k) x replicas + replica) and
+its own pipeline index. Activation checkpointing recomputes a layer during the backward pass of its
+micro-batch, so the backward pass names the micro-batch too: the recomputation draws the same mask.
+A reseed costs about 1.5 us a layer and micro-batch (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import deepspeed
+import torch
+from torch import nn
+
+from pipeline.deepspeed_internals import replace_stage_call, stage_layers, wrap_instructions
+
+
+def layer_seed(seed: int, micro_batch: int, layer: int) -> int:
+    return ((seed * 1_000_003 + micro_batch) * 100_003 + layer) % (1 << 63)
+
+
+def device_generator(device: torch.device) -> torch.Generator:
+    """The generator dropout draws from on `device`. torch.manual_seed would seed every device's, and
+    queue a traceback for each device type not initialized: 200 us a call instead of 1.5."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    return torch.default_generator
+
+
+class DropoutMasks:
+    """Installs the reseeding on an engine's stage; `start(step)` before each train_batch."""
+
+    def __init__(self, engine: deepspeed.PipelineEngine, seed: int):
+        self.seed = seed
+        self.accumulation = engine.gradient_accumulation_steps()
+        self.replicas = engine.grid.get_data_parallel_world_size()
+        self.replica = engine.grid.get_data_parallel_rank()
+        self.first = 0  # global index of this step's first micro-batch
+        self.forwards = 0  # forward passes run this step
+        self.running = 0  # the micro-batch whose forward or backward runs now
+        self.buffers: dict[int, int] = {}  # pipeline buffer -> the micro-batch it holds
+        self.generator = device_generator(torch.device(engine.device))
+        wrap_instructions(engine, self._track)
+        for offset, index, func in list(stage_layers(engine.module)):
+            if isinstance(func, nn.Module):
+                func.register_forward_pre_hook(lambda module, args, index=index: self._reseed(index))
+            else:  # a tied table's later use: a function
+                replace_stage_call(engine.module, offset, self._seeded(func, index))
+
+    def start(self, step: int) -> None:
+        self.first = step * self.accumulation * self.replicas
+        self.forwards = 0
+        self.buffers.clear()
+
+    def _reseed(self, layer: int) -> None:
+        self.generator.manual_seed(layer_seed(self.seed, self.running, layer))
+
+    def _seeded(self, func: Callable[..., Any], layer: int) -> Callable[..., Any]:
+        def seeded(*args: Any) -> Any:
+            self._reseed(layer)
+            return func(*args)
+
+        return seeded
+
+    def _track(self, name: str, method: Callable) -> Callable:
+        if name == "ForwardPass":
+
+            def forward(engine: deepspeed.PipelineEngine, buffer_id: int) -> None:
+                k, self.forwards = self.forwards, self.forwards + 1
+                self.running = self.buffers[buffer_id] = self.first + k * self.replicas + self.replica
+                return method(engine, buffer_id=buffer_id)
+
+            return forward
+        if name == "BackwardPass":
+
+            def backward(engine: deepspeed.PipelineEngine, buffer_id: int) -> None:
+                self.running = self.buffers[buffer_id]
+                return method(engine, buffer_id=buffer_id)
+
+            return backward
+        return method

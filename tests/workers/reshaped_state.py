@@ -1,0 +1,29 @@
+"""Launched by tests/test_reshape.py with as many ranks as the shape it loads into: resumes a run's latest
+checkpoint on this launch's shape (reshaping it) and saves the loaded state, untrained, into OUT_DIR.
+
+Usage: reshaped_state.py CONFIG OUT_DIR WORLD_SIZE OVERRIDE...
+"""
+
+import sys
+from pathlib import Path
+
+from pipeline import checkpoint_saving
+from pipeline.config import resolve_run
+from pipeline.distributed import init_distributed
+from pipeline.train import SCHEDULE_OFFSET, build_engine
+from pipeline.world import run_launched
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
+    config_path, out, world_size = args[0], Path(args[1]), int(args[2])
+    cfg, _ = resolve_run(config_path, args[3:], world_size=world_size)
+    init_distributed()
+    engine = build_engine(cfg)
+    client_state = checkpoint_saving.load(engine, cfg.train.save_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {SCHEDULE_OFFSET: client_state[SCHEDULE_OFFSET]}  # what training keeps beside DeepSpeed's state
+    checkpoint_saving.save(engine, out, kept, best=False, schedule_step=engine.global_steps)
+
+
+run_launched(main)

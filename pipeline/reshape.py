@@ -109,11 +109,14 @@ def convert(checkpoint: Path, manifest: dict[str, Any], workers: int) -> Path:
     ):
         return target
     shutil.rmtree(target, ignore_errors=True)  # a conversion a crash interrupted
-    work = unique_sibling(target)
+    # The converter also writes `latest_universal` beside its output: both go in a scratch folder.
+    scratch = unique_sibling(target)
+    work = scratch / target.name
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
                "--output_folder", str(work), "--inject_missing_state", "--num_extract_workers", str(workers),
                "--num_merge_workers", str(workers)]  # fmt: skip
     try:
+        scratch.mkdir()
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
@@ -129,7 +132,7 @@ def convert(checkpoint: Path, manifest: dict[str, Any], workers: int) -> Path:
         os.replace(work, target)
         fsync_dir(target.parent)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
@@ -142,11 +145,11 @@ def link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def remove_universal(save_dir: Path, keep: str | None = None) -> None:
-    """Deletes universal copies of checkpoints but `keep`'s: once a run has committed a checkpoint in its
-    new shape, they are no longer what a resume loads. Global rank 0 only."""
-    for path in save_dir.glob(f"*{UNIVERSAL}"):
-        if path.is_dir() and path.name != keep:
+def remove_universal(save_dir: Path) -> None:
+    """Deletes the universal copies of checkpoints, and what conversions a crash cut short left: once a run
+    has committed a checkpoint in its new shape, they are no longer what a resume loads. Global rank 0 only."""
+    for path in [*save_dir.glob(f"*{UNIVERSAL}"), *save_dir.glob(f".*{UNIVERSAL}.*.tmp")]:
+        if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
 
 

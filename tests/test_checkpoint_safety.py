@@ -17,6 +17,7 @@ from model.config import ConfigError
 from pipeline import checkpoint_saving
 from pipeline.checkpoint import deepspeed_state_types, file_damage, linked_best, load_file, read_manifest
 from pipeline.logs import read_jsonl
+from pipeline.rundir import RunDirectory
 from pipeline.train import main
 from tests.conftest import ROOT, assert_same_training, edit_prepared, launch
 from translation.generate import main as generate_main
@@ -126,6 +127,15 @@ def test_a_resume_on_another_shape_refuses_a_damaged_checkpoint(capsys, monkeypa
     with open(optimizer, "r+b") as f:
         f.truncate(optimizer.stat().st_size - 1)
     assert "bytes, but" in resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
+
+
+def test_a_resume_on_another_shape_into_a_save_dir_in_use_is_one_line(capsys, monkeypatch, run, multi30k_slice):
+    running = RunDirectory(run, rank=0)
+    running.open()  # what a running job's rank 0 holds
+    try:
+        assert "is in use by a running job" in resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
+    finally:
+        running.close()
 
 
 def test_a_checkpoint_without_a_recorded_shape_or_partitions_resumes_only_on_its_shape(

@@ -21,9 +21,11 @@ from pipeline.deepspeed_internals import (
     clear_pipe_buffers,
     loss_scale,
     replace_model_step,
+    stage_bounds,
     stage_layers,
     stage_range,
     tensor_backwards_joined,
+    universal_loading,
     wrap_instructions,
     zero_gradient_slice,
     zero_sharded,
@@ -68,6 +70,10 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
     assert engine.module.parts == [0, layers]  # ExternallyPartitioned: fathom's cut, not DeepSpeed's
     assert stage_range(engine.module) == range(layers)
     assert [index for _, index, _ in stage_layers(engine.module)] == list(range(layers))
+    assert stage_bounds(engine.module) == [0, layers] and all(type(b) is int for b in stage_bounds(engine.module))
+    with universal_loading(engine):  # what a resume on another shape loads with (pipeline/reshape.py)
+        assert engine.load_universal_checkpoint()
+    assert not engine.load_universal_checkpoint()
     assert type(checkpoint_engine(engine)).__name__ == "CommittingCheckpointEngine"
     assert isinstance(checkpoint_engine(engine), TorchCheckpointEngine)
 

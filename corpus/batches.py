@@ -159,11 +159,16 @@ def eval_batches(corpus: ParallelCorpus, size: BatchSize) -> list[MicroBatch]:
     return [collate([corpus.pair(int(i)) for i in batch]) for batch in size.pack(order, lengths)]
 
 
-class MicroBatches:
-    """Micro-batches in a fixed order determined by (seed, epoch): step s always sees the same data.
+def global_micro_batch(step: int, k: int, accumulation: int, replicas: int, replica: int) -> int:
+    """The index, in the run's fixed order, of the k-th micro-batch a data-parallel replica reads in a
+    step. Any shape with the same accumulation x replicas reads the same micro-batches in each step."""
+    return (step * accumulation + k) * replicas + replica
 
-    Global micro-batch g = (step * accumulation + k) * data_parallel_size + data_parallel_rank,
-    so a resumed run continues exactly where the interrupted one stopped, mid-epoch included.
+
+class MicroBatches:
+    """Micro-batches in a fixed order determined by (seed, epoch): step s always sees the same data,
+    global_micro_batch's, so a resumed run continues exactly where the interrupted one stopped, mid-epoch
+    included.
     """
 
     def __init__(
@@ -180,7 +185,7 @@ class MicroBatches:
         self.lengths = corpus.lengths()
         check_budget(self.lengths, size)
         self.world = data_parallel_size
-        self.next = start_step * accumulation * data_parallel_size + data_parallel_rank
+        self.next = global_micro_batch(start_step, 0, accumulation, data_parallel_size, data_parallel_rank)
         self.epoch, self.epoch_start = 0, 0
         self.plan = epoch_batches(self.lengths, size, seed, 0)
         self.target_tokens = 0  # real (non-pad) target tokens handed out so far, for throughput

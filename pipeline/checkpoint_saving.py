@@ -144,8 +144,7 @@ def save(
 
 def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, Any]:
     """Resumes from the latest (committed) checkpoint; returns its client state."""
-    verify_contents(save_dir)
-    committed = committed_files(save_dir)
+    committed = verify_contents(save_dir)
     reshaped = None if committed is None else prepare_reshape(engine, *committed)
     try:
         if reshaped is None:
@@ -188,10 +187,11 @@ def verify(save_dir: str | Path) -> None:
             raise ConfigError(problem)
 
 
-def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
+def verify_contents(save_dir: str | Path, weights_only: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """Every byte of the latest checkpoint (`weights_only`: of its layer files, what train.init_from
     reads) against its checksums, the files shared out among the ranks; all ranks agree, so that a
-    damaged file ends every rank cleanly rather than one rank mid-load."""
+    damaged file ends every rank cleanly rather than one rank mid-load. Returns what committed_files
+    does for it."""
     committed = committed_files(save_dir)
     problem = None
     if committed is not None:
@@ -203,7 +203,7 @@ def verify_contents(save_dir: str | Path, weights_only: bool = False) -> None:
     dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
     if first is None:
-        return
+        return committed
     rank = dist.get_rank()
     end_distributed()  # every rank stops here, so all can meet and exit with status 2, not an abort
     if rank == 0:

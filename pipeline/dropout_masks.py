@@ -3,8 +3,8 @@
 A rank's random stream would make a mask depend on which stage holds a layer, which layers came
 before it there and which replica reads the micro-batch: a run resumed on another shape (pipeline/
 reshape.py) would draw other masks and leave the uninterrupted run's path. Instead every layer of a
-stage reseeds torch's generators as it starts, from the run's seed, the global index of the
-micro-batch it runs (the one MicroBatches numbers: (step x accumulation + k) x replicas + replica) and
+stage reseeds dropout's generator as it starts, from the run's seed, the global index of the
+micro-batch it runs (corpus.batches.global_micro_batch, the one MicroBatches reads) and
 its own pipeline index. Activation checkpointing recomputes a layer during the backward pass of its
 micro-batch, so the backward pass names the micro-batch too: the recomputation draws the same mask.
 A reseed costs about 1.5 us a layer and micro-batch (docs/BENCHMARKS.md).
@@ -19,6 +19,7 @@ import deepspeed
 import torch
 from torch import nn
 
+from corpus.batches import global_micro_batch
 from pipeline.deepspeed_internals import replace_stage_call, stage_layers, wrap_instructions
 
 
@@ -42,7 +43,7 @@ class DropoutMasks:
         self.accumulation = engine.gradient_accumulation_steps()
         self.replicas = engine.grid.get_data_parallel_world_size()
         self.replica = engine.grid.get_data_parallel_rank()
-        self.first = 0  # global index of this step's first micro-batch
+        self.step = 0
         self.forwards = 0  # forward passes run this step
         self.running = 0  # the micro-batch whose forward or backward runs now
         self.buffers: dict[int, int] = {}  # pipeline buffer -> the micro-batch it holds
@@ -55,7 +56,7 @@ class DropoutMasks:
                 replace_stage_call(engine.module, offset, self._seeded(func, index))
 
     def start(self, step: int) -> None:
-        self.first = step * self.accumulation * self.replicas
+        self.step = step
         self.forwards = 0
         self.buffers.clear()
 
@@ -74,7 +75,8 @@ class DropoutMasks:
 
             def forward(engine: deepspeed.PipelineEngine, buffer_id: int) -> None:
                 k, self.forwards = self.forwards, self.forwards + 1
-                self.running = self.buffers[buffer_id] = self.first + k * self.replicas + self.replica
+                self.running = global_micro_batch(self.step, k, self.accumulation, self.replicas, self.replica)
+                self.buffers[buffer_id] = self.running
                 return method(engine, buffer_id=buffer_id)
 
             return forward

@@ -100,7 +100,17 @@ def manifest_files(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def convert(checkpoint: Path, manifest: dict[str, Any], workers: int) -> Path:
+def converter_command(checkpoint: Path, out: Path) -> list[str]:
+    """DeepSpeed's converter of `checkpoint` into its universal form in `out` (which it makes), with a
+    worker per core up to 4; `--inject_missing_state` adds the universal_checkpoint_info that only
+    Megatron-style clients save."""
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
+            "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", workers,
+            "--num_merge_workers", workers]  # fmt: skip
+
+
+def convert(checkpoint: Path, manifest: dict[str, Any]) -> Path:
     """Writes the universal form of a committed checkpoint to CHECKPOINT.universal and commits it with
     a manifest; returns its path. Reuses one committed earlier. Global rank 0 only."""
     target = checkpoint.with_name(universal_tag(checkpoint.name))
@@ -112,12 +122,9 @@ def convert(checkpoint: Path, manifest: dict[str, Any], workers: int) -> Path:
     # The converter also writes `latest_universal` beside its output: both go in a scratch folder.
     scratch = unique_sibling(target)
     work = scratch / target.name
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
-               "--output_folder", str(work), "--inject_missing_state", "--num_extract_workers", str(workers),
-               "--num_merge_workers", str(workers)]  # fmt: skip
     try:
         scratch.mkdir()
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run(converter_command(checkpoint, work), capture_output=True, text=True)
         if result.returncode != 0:
             lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
             raise ConfigError(
@@ -165,7 +172,7 @@ def prepare_reshape(
     if dist.get_rank() == 0:
         started = time.perf_counter()
         try:
-            convert(checkpoint, manifest, workers=max(1, min(4, os.cpu_count() or 1)))
+            convert(checkpoint, manifest)
             outcome[0] = time.perf_counter() - started
         except (ConfigError, OSError) as err:
             outcome[0] = str(err)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 from pipeline.checkpoint import latest_tag
-from pipeline.reshape import universal_tag
+from pipeline.reshape import converter_command, universal_tag
 from tools.bench_prepare import Measured, cpu, mib, run_sampled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,11 +50,7 @@ def convert_alone(args: argparse.Namespace, name: str) -> tuple[Measured, int, i
     run = Path(args.work) / "run"
     checkpoint, out = run / latest_tag(run), Path(args.work) / f"{name}-universal"
     shutil.rmtree(out, ignore_errors=True)
-    workers = str(max(1, min(4, os.cpu_count() or 1)))  # as pipeline/reshape.py
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
-               "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", workers,
-               "--num_merge_workers", workers]  # fmt: skip
-    measured = run_sampled(name, command, Path(args.work) / f"{name}.log")
+    measured = run_sampled(name, converter_command(checkpoint, out), Path(args.work) / f"{name}.log")
     sizes = size(checkpoint), size(out)
     shutil.rmtree(out)
     return measured, *sizes

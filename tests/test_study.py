@@ -13,10 +13,10 @@ import pytest
 
 from pipeline.config import load_config
 from tests.conftest import ROOT, without_matplotlib
-from tools.study import CELL_FILE, check
+from tools.study import CELL_FILE, check, read_sittings
 from tools.study import main as study_main
-from tools.study_grid import Cell, Sensitivity, StudySpec, cell_dir, cells, read_spec
-from tools.study_report import DIVERGED, STALLED, TRAINED, classify
+from tools.study_grid import Grid, StudySpec, cell_config, cell_dir, cells, read_spec
+from tools.study_report import DIVERGED, STALLED, TRAINED, classify, cpu_text
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
 
@@ -42,9 +42,8 @@ def test_classification(records, result, expected):
 
 
 def test_the_grid_runs_shallow_cells_first_and_names_them():
-    spec = StudySpec(config="c", out="o", schemes=["a", "b"], depths=[12, 6], sensitivity=None)
+    spec = StudySpec(config="c", out="o", schemes=["a", "b"], depths=[12, 6])
     assert [c.name for c in cells(spec)] == ["a-6L", "b-6L", "a-12L", "b-12L"]
-    assert Cell("a", 6, 0.001, 0).overrides()[-1] == "scheduler.params.warmup_num_steps=1"
 
 
 def test_distinct_learning_rates_make_distinct_cells():
@@ -52,11 +51,40 @@ def test_distinct_learning_rates_make_distinct_cells():
     "resumed" the first at its last step, trained nothing, and the report showed two equal columns."""
     spec = StudySpec(
         config="ds_configs/default.json", out="o", schemes=["pre_ln"], depths=[6],
-        sensitivity=Sensitivity(depth=1, schemes=["pre_ln"], lrs=[0.002, 0.0020000001, 5e-05], warmups=[2]),
+        grids=[Grid(depths=[1], schemes=["pre_ln"], lrs=[0.002, 0.0020000001, 5e-05], warmups=[2])],
     )  # fmt: skip
     names = [c.name for c in cells(spec)]
     assert names[1:] == ["pre_ln-1L-lr0.002-warmup2", "pre_ln-1L-lr0.0020000001-warmup2", "pre_ln-1L-lr5e-05-warmup2"]
     assert len({cell_dir(spec, c) for c in cells(spec)}) == len(names)
+
+
+def test_a_grid_cell_at_the_base_settings_is_the_main_grids_run():
+    """default.json trains at lr 0.001 with 50 warmup steps: a cell names only what differs from that, so
+    the grid's pre_ln at lr 0.001 is pre_ln-6L, trained once."""
+    spec = StudySpec(
+        config="ds_configs/default.json", out="o", schemes=["pre_ln"], depths=[6],
+        grids=[Grid(depths=[6], schemes=["pre_ln", "post_ln"], lrs=[0.001, 0.002], warmups=[50])],
+    )  # fmt: skip
+    assert [c.name for c in cells(spec)] == ["pre_ln-6L", "post_ln-6L", "pre_ln-6L-lr0.002", "post_ln-6L-lr0.002"]
+
+
+def test_each_axis_sets_what_it_names():
+    """Tokens per update through accumulation (the batch follows it, so DeepSpeed's check holds), the number
+    of updates with the decaying schedule's end, clipping, a warmup of none, and a variant's overrides."""
+    spec = StudySpec(
+        config="ds_configs/study_multi30k_base.json", out="o", schemes=["branchnorm"], depths=[6],
+        grids=[Grid(schemes=["branchnorm"], depths=[6], clips=[0.0], accumulations=[8], updates=[1200], warmups=[0],
+                    variants={"T48": ["model.branchnorm.T=48"]})],
+    )  # fmt: skip
+    cell = cells(spec)[-1]
+    assert cell.name == "branchnorm-6L-warmup0-clip0-acc8-updates1200-T48"
+    cfg = cell_config(spec, cell)
+    ds = cfg.deepspeed
+    assert (ds["gradient_clipping"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (0.0, 8, 8)
+    assert cfg.train.max_steps == ds["scheduler"]["params"]["total_num_steps"] == 1200
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 1  # DeepSpeed raises it to its minimum of 2
+    assert cfg.model.schemes["branchnorm"]["T"] == 48
+    assert cell_config(spec, cells(spec)[0]).deepspeed["gradient_clipping"] == 1.0  # the base config's
 
 
 def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path, multi30k_slice):
@@ -74,17 +102,6 @@ def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path,
     assert not (tmp_path / "study").exists()
 
 
-def test_a_sensitivity_cell_at_the_base_schedule_is_the_main_grids_run():
-    """default.json trains at lr 0.001 with 50 warmup steps: that sensitivity cell is pre_ln-6L."""
-    spec = StudySpec(
-        config="ds_configs/default.json", out="o", schemes=["pre_ln"], depths=[6],
-        sensitivity=Sensitivity(depth=6, schemes=["pre_ln", "post_ln"], lrs=[0.001, 0.002], warmups=[50]),
-    )  # fmt: skip
-    assert [c.name for c in cells(spec)] == [
-        "pre_ln-6L", "pre_ln-6L-lr0.002-warmup50", "post_ln-6L-lr0.001-warmup50", "post_ln-6L-lr0.002-warmup50"
-    ]  # fmt: skip
-
-
 def write_study(tmp_path, data):
     study = {
         "config": "ds_configs/default.json",
@@ -100,7 +117,8 @@ def write_study(tmp_path, data):
             "model.ffn_dim=64",
             "train.grad_norm_interval=2",
         ],  # fmt: skip
-        "sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [100.0], "warmups": [0]},  # made to diverge
+        # made to diverge; twice the base config's micro-batches an update
+        "grids": [{"schemes": ["pre_ln"], "depths": [1], "lrs": [100.0], "warmups": [0], "accumulations": [8]}],
         "heatmap": "pre_ln-2L",
         "beam": 2,
     }
@@ -143,10 +161,16 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
     assert "cell 1/3" not in output and "cell 2/3 pre_ln-2L: training" in output, output[-3000:]
     assert (first / CELL_FILE).read_text() == finished
     assert "resumed from" in (second.parent / "pre_ln-2L.log").read_text()  # from its checkpoint, not step 0
+    sittings = read_sittings(spec, cells(spec)[1])
+    assert [s["after_step"] > 0 for s in sittings] == [False, True], sittings  # and each start recorded
     summary = {s["cell"]: s for s in json.loads((tmp_path / "study" / "summary.json").read_text())}
-    assert summary["pre_ln-1L-lr100-warmup0"]["class"] == DIVERGED
+    assert summary["pre_ln-1L-lr100-warmup0-acc8"]["class"] == DIVERGED
     assert {summary[c]["class"] for c in ("pre_ln-1L", "pre_ln-2L")} <= {TRAINED, STALLED}
     assert all("valid_nll" in summary[c] for c in ("pre_ln-1L", "pre_ln-2L"))
+    assert (
+        summary["pre_ln-1L-lr100-warmup0-acc8"]["tokens_per_update"] > 1.5 * summary["pre_ln-1L"]["tokens_per_update"]
+    )
+    assert summary["pre_ln-2L"]["cpus"] == [cpu_text(sittings[0])]  # one machine, named once
     assert third.exists()
 
     report = (tmp_path / "study" / "report.md").read_text()
@@ -170,11 +194,37 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
         ({"beam": 0}, "study.beam: must be at least 1, got 0"),
         ({"max_len_a": float("inf")}, "study.max_len_a: must be a finite number >= 0, got inf"),
         ({"heatmap": "pre_ln-3L"}, "study.heatmap: pre_ln-3L is not a cell of this study"),
+        ({"grids": [{"depths": [1], "schemes": ["pre_ln"], "lrs": []}]}, "study.grids[0].lrs: empty"),
+        ({"grids": [{"depths": [1], "schemes": ["pre_ln"], "warmups": [-5]}]}, "warmups: -5; must be at least 0"),
         (
-            {"sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [], "warmups": [0]}},
-            "study.sensitivity.lrs: empty",
+            {"grids": [{"depths": [1], "schemes": ["pre_ln"], "accumulations": [0]}]},
+            "accumulations: 0; must be at least 1",
         ),
-        ({"sensitivity": {"depth": 1, "schemes": ["pre_ln"], "lrs": [1e-3], "warmups": [-5]}}, "warmups: -5"),
+        (
+            {"grids": [{"depths": [1], "schemes": ["pre_ln"], "clip": [0]}]},
+            "study.grids[0].clip: unknown key; did you mean 'clips'?",
+        ),
+        (
+            {"grids": [{"depths": [1], "schemes": ["pre_ln"], "clips": [0.0]}], "overrides": ["gradient_clipping=0.5"]},
+            "study.overrides: gradient_clipping is set by each cell (cell pre_ln-1L-clip0 varies it)",
+        ),
+        (
+            {"grids": [{"depths": [1], "schemes": ["pre_ln"], "variants": {"x": ["model.encoder_layers=2"]}}]},
+            "study: variant x sets model.encoder_layers, which its grid sets; vary it there",
+        ),
+        (
+            {
+                "grids": [
+                    {"depths": [1], "schemes": ["pre_ln"], "variants": {"x": ["model.dropout=0"]}},
+                    {"depths": [2], "schemes": ["pre_ln"], "variants": {"x": ["model.dropout=0.3"]}},
+                ]
+            },
+            "study.grids[1].variants.x: another grid names a variant x with other overrides",
+        ),
+        (
+            {"grids": [{"depths": [1], "schemes": ["pre_ln"], "variants": {"a b": []}}]},
+            "variants: 'a b'; name variants",
+        ),
     ],
 )
 def test_a_bad_study_is_one_line_before_any_cell_trains(tmp_path, capsys, multi30k_slice, change, message):

@@ -1,13 +1,15 @@
-"""A depth study: norm schemes x depths (and learning rates x warmups) on one prepared data set, one
-training run per cell through the launcher and scripts/train.py, exactly as a user runs them.
+"""A depth study: norm schemes x depths, and further grids over learning rate, warmup, gradient clipping,
+tokens per update and number of updates, on one prepared data set; one training run per cell through the
+launcher and scripts/train.py, exactly as a user runs them.
 
     python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
 
 Every cell starts from the same experiment config (data order, batches, optimizer, schedule, seed) and
-changes only its scheme, depth and, in the sensitivity grid, learning rate and warmup. A cell is a run
-directory STUDY/cells/NAME; it is finished once STUDY/cells/NAME/cell.json exists, so the same command
-again skips finished cells and resumes an interrupted one from its last checkpoint. Each finished cell
-is classified from its own logs (tools/study_report.py), and the report is rebuilt from them alone.
+changes only what its grid varies (tools/study_grid.py). A cell is a run directory STUDY/cells/NAME; it
+is finished once STUDY/cells/NAME/cell.json exists, so the same command again skips finished cells and
+resumes an interrupted one from its last checkpoint. Each start of a cell's training (a sitting) is
+recorded with the CPU it ran on. Each finished cell is classified from its own logs
+(tools/study_report.py), and the report is rebuilt from them alone.
 """
 
 from __future__ import annotations
@@ -31,22 +33,25 @@ from pipeline.durable import write_atomic
 from pipeline.logs import read_jsonl
 from pipeline.stability import NONFINITE_EXIT
 from pipeline.staging import check_makeable
+from tools.bench_prepare import cpu
 from tools.figures import pyplot
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
-    GRID_KEYS,
     ROOT,
     Cell,
     StudySpec,
+    accumulation,
     cell_config,
     cell_dir,
     cell_overrides,
     cells,
+    check_overrides,
     read_spec,
 )
 from translation.translate import check_search_args
 
 CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
+SITTINGS = ".sittings.jsonl"  # STUDY/cells/NAME.sittings.jsonl: one line per start of the cell's training
 BASELINE_FILE = "baseline.json"
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
@@ -77,6 +82,10 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
     directory = cell_dir(spec, cell)
     directory.parent.mkdir(parents=True, exist_ok=True)
     log = directory.parent / f"{cell.name}.log"  # beside the run: train.py makes and may remove the run
+    steps = [r["step"] for r in cell_records(directory) if "loss" in r]
+    sitting = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_step": steps[-1] if steps else 0, **cpu()}
+    with open(directory.parent / f"{cell.name}{SITTINGS}", "a") as out:
+        out.write(json.dumps(sitting) + "\n")
     with open(log, "a") as out:
         status = subprocess.run(command(spec, cell, cfg, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
     if status not in (0, NONFINITE_EXIT):
@@ -126,6 +135,11 @@ def cell_records(directory: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.exists() else []
 
 
+def read_sittings(spec: StudySpec, cell: Cell) -> list[dict[str, Any]]:
+    path = cell_dir(spec, cell).parent / f"{cell.name}{SITTINGS}"
+    return read_jsonl(path) if path.exists() else []
+
+
 def read_baseline(spec: StudySpec) -> float:
     return json.loads((Path(spec.out) / BASELINE_FILE).read_text())["unigram_nll"]
 
@@ -161,9 +175,7 @@ def check_unchanged(spec: StudySpec, cell: Cell, cfg: RunConfig) -> None:
 
 def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
     """Everything a study is checked for before any cell trains; returns each cell's run config."""
-    for change in spec.overrides:
-        if (key := change.partition("=")[0].strip()) in GRID_KEYS:
-            raise ConfigError(f"study.overrides: {key} is set by each cell; remove it (the grid varies it)")
+    check_overrides(spec, grid)
     configs = {cell: cell_config(spec, cell) for cell in grid}
     paths = {tuple(cfg.data.shards) for cfg in configs.values()}
     if len(paths) != 1 or () in paths:
@@ -185,16 +197,20 @@ def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
     return configs
 
 
+def micro_batches(cfg: RunConfig) -> int:
+    return cfg.train.max_steps * accumulation(cfg)
+
+
 def run(spec: StudySpec) -> None:
     """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
     grid = cells(spec)
     configs = check(spec, grid)
     Path(spec.out).mkdir(parents=True, exist_ok=True)
     write_baseline(spec, Path(next(iter(configs.values())).data.directory))
-    # Seconds per unit of (depth + FIXED_DEPTH) x steps, from the cells finished so far: the estimate of
-    # the time left. The fixed part stands for what every cell pays whatever its depth (start-up, the
-    # embeddings and output projection, evaluation).
-    cost = {cell: (cell.depth + FIXED_DEPTH) * configs[cell].train.max_steps for cell in grid}
+    # Seconds per unit of (depth + FIXED_DEPTH) x micro-batches, from the cells finished so far: the
+    # estimate of the time left. The fixed part stands for what every cell pays whatever its depth
+    # (start-up, the embeddings and output projection, evaluation).
+    cost = {cell: (cell.depth + FIXED_DEPTH) * micro_batches(configs[cell]) for cell in grid}
     done = {cell: r for cell in grid if (r := read_cell(spec, cell)) is not None}
     for number, cell in enumerate(grid, 1):
         if cell in done:

@@ -1,34 +1,126 @@
-"""A depth study's grid: what the study file says (StudySpec), the cells it makes (schemes x depths, and
-the sensitivity grid's learning rates x warmups at one depth), and each cell's run directory and config.
-tools/study.py runs the cells; tools/study_report.py reads them."""
+"""A depth study's grid: what the study file says (StudySpec), the cells it makes, and each cell's run
+directory and config. tools/study.py runs the cells; tools/study_report.py reads them.
+
+The main grid is schemes x depths. Each further grid (`grids`) is schemes x depths x its axes: learning
+rates, warmups, gradient clippings, gradient accumulations (tokens per update at the same memory),
+numbers of updates, and named variants (sets of overrides). A cell names only the settings in which
+it differs from the study's base config, so one run is never made twice: a grid cell at the base
+settings is the main grid's cell.
+"""
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from model.config import ConfigError, parse_section
 from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
+VARIANT_NAME = re.compile(r"[A-Za-z0-9_.]+")
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One setting a grid can vary: its key in the study file, its tag in cell names, its value in a
+    config, and the overrides that set it."""
+
+    key: str
+    tag: str
+    read: Callable[[RunConfig], float]
+    sets: Callable[[float, RunConfig], list[str]]
+    minimum: float
+
+
+def scheduler_params(cfg: RunConfig) -> dict[str, Any]:
+    return cfg.deepspeed.get("scheduler", {}).get("params", {})
+
+
+def warmup_steps(cfg: RunConfig) -> int:
+    return int(scheduler_params(cfg).get("warmup_num_steps", 0))
+
+
+def accumulation(cfg: RunConfig) -> int:
+    """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
+    ds = cfg.deepspeed
+    if "gradient_accumulation_steps" in ds:
+        return ds["gradient_accumulation_steps"]
+    return ds.get("train_batch_size", 1) // ds.get("train_micro_batch_size_per_gpu", 1)
+
+
+def set_lr(lr: float, cfg: RunConfig) -> list[str]:
+    return [f"optimizer.params.lr={lr}", f"scheduler.params.warmup_max_lr={lr}"]
+
+
+def set_warmup(steps: float, cfg: RunConfig) -> list[str]:
+    # 0 means none: DeepSpeed's warmup schedulers take at least 2 steps whatever they are given
+    return [f"scheduler.params.warmup_num_steps={max(1, int(steps))}"]
+
+
+def set_accumulation(steps: float, cfg: RunConfig) -> list[str]:
+    micro = cfg.deepspeed.get("train_micro_batch_size_per_gpu", 1)
+    return [f"gradient_accumulation_steps={int(steps)}", f"train_batch_size={int(steps) * micro}"]
+
+
+def set_updates(steps: float, cfg: RunConfig) -> list[str]:
+    # a decaying schedule ends where the run does, as the base config's does
+    decays = "total_num_steps" in scheduler_params(cfg)
+    return [f"train.max_steps={int(steps)}", *([f"scheduler.params.total_num_steps={int(steps)}"] if decays else [])]
+
+
+AXES = (
+    Axis("lrs", "lr", lambda cfg: cfg.deepspeed["optimizer"]["params"]["lr"], set_lr, minimum=0.0),
+    Axis("warmups", "warmup", warmup_steps, set_warmup, minimum=0),
+    Axis(
+        "clips",
+        "clip",
+        lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0),
+        lambda clip, cfg: [f"gradient_clipping={clip}"],
+        minimum=0.0,
+    ),  # fmt: skip
+    Axis("accumulations", "acc", accumulation, set_accumulation, minimum=1),
+    Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates, minimum=1),
+)
 
 
 @dataclass
-class Sensitivity:
-    """A second grid at one depth: each scheme at each learning rate and warmup."""
+class Grid:
+    """Each scheme at each depth and each combination of the axes given (None: the base config's)."""
 
-    depth: int
     schemes: list[str]
-    lrs: list[float]
-    warmups: list[int]  # warmup steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
+    depths: list[int]
+    title: str = ""  # the report's heading for the grid's table
+    lrs: list[float] | None = None
+    warmups: list[int] | None = None  # steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
+    clips: list[float] | None = None  # gradient_clipping; 0 means none
+    accumulations: list[int] | None = None  # gradient_accumulation_steps: tokens per update
+    updates: list[int] | None = None  # train.max_steps (and a decaying schedule's end)
+    variants: dict[str, list[str]] | None = None  # name -> overrides, e.g. {"T30": ["model.branchnorm.T=30"]}
 
-    def __post_init__(self) -> None:
-        for key in ("schemes", "lrs", "warmups"):
-            if not getattr(self, key):
-                raise ConfigError(f"study.sensitivity.{key}: empty; give at least one, or remove the sensitivity grid")
-        if min(self.warmups) < 0:
-            raise ConfigError(f"study.sensitivity.warmups: {min(self.warmups)}; warmups are steps, at least 0")
+    def check(self, where: str) -> None:
+        for key in ("schemes", "depths", *(axis.key for axis in AXES), "variants"):
+            if getattr(self, key) is not None and not getattr(self, key):
+                raise ConfigError(f"{where}.{key}: empty; give at least one, or remove the key")
+        for axis in AXES:
+            values = getattr(self, axis.key) or []
+            if values and min(values) < axis.minimum:
+                raise ConfigError(f"{where}.{axis.key}: {min(values)}; must be at least {axis.minimum}")
+        for name, changes in (self.variants or {}).items():
+            if not VARIANT_NAME.fullmatch(name):
+                raise ConfigError(f"{where}.variants: {name!r}; name variants with letters, digits, '_' and '.'")
+            if not isinstance(changes, list) or not all(isinstance(c, str) for c in changes):
+                raise ConfigError(f"{where}.variants.{name}: expected a list of overrides, got {changes!r}")
+
+    def axes(self) -> list[tuple[str, list]]:
+        """(key, values) of each axis the grid varies, in AXES order, variants last."""
+        varied = [(axis.key, values) for axis in AXES if (values := getattr(self, axis.key))]
+        return varied + ([("variants", list(self.variants))] if self.variants else [])
 
 
 @dataclass
@@ -38,7 +130,7 @@ class StudySpec:
     schemes: list[str]
     depths: list[int]  # encoder = decoder layers
     overrides: list[str] = field(default_factory=list)  # for every cell, as --override takes them
-    sensitivity: Sensitivity | None = None
+    grids: list[Grid] = field(default_factory=list)
     beam: int = 4  # the validation BLEU of trained cells
     lenpen: float = 0.6
     # Output length limit a x source length + b: an undertrained model that never ends a sentence
@@ -53,92 +145,131 @@ class StudySpec:
         check_no_tilde(self.out, "study.out")
         if not self.schemes or not self.depths:
             raise ConfigError("study: give at least one scheme and one depth")
-        for depth in [*self.depths, *([self.sensitivity.depth] if self.sensitivity else [])]:
+        for depth in [*self.depths, *(d for grid in self.grids for d in grid.depths)]:
             if depth < 1:
                 raise ConfigError(f"study: depth {depth}; depths are layers per side, at least 1")
+        variants: dict[str, list[str]] = {}
+        for number, grid in enumerate(self.grids):
+            grid.check(f"study.grids[{number}]")
+            for name, changes in (grid.variants or {}).items():
+                if variants.setdefault(name, changes) != changes:
+                    raise ConfigError(
+                        f"study.grids[{number}].variants.{name}: another grid names a variant {name} with other "
+                        "overrides; give each its own name"
+                    )
+
+    def main_grid(self) -> Grid:
+        return Grid(self.schemes, self.depths)
 
 
-def lr_text(lr: float) -> str:
-    """The learning rate as cell names and the report spell it: short (0.002, 100), and exact where the
-    short form would name another rate too (0.0020000001), so distinct rates never share a cell."""
-    short = f"{lr:g}"
-    return short if float(short) == lr else repr(lr)
+def number_text(value: float) -> str:
+    """A setting as cell names and the report spell it: short (0.002, 100), and exact where the short
+    form would name another value too (0.0020000001), so distinct settings never share a cell."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 @dataclass(frozen=True)
 class Cell:
     scheme: str
     depth: int
-    lr: float | None = None  # None: the config's
-    warmup: int | None = None
+    settings: tuple[tuple[str, float], ...] = ()  # (axis key, value) where it differs from the base, AXES order
+    variant: str | None = None
 
     @property
     def name(self) -> str:
-        name = f"{self.scheme}-{self.depth}L"
-        if self.lr is not None:
-            name += f"-lr{lr_text(self.lr)}"
-        if self.warmup is not None:
-            name += f"-warmup{self.warmup}"
-        return name
+        tags = {axis.key: axis.tag for axis in AXES}
+        name = f"{self.scheme}-{self.depth}L" + "".join(f"-{tags[k]}{number_text(v)}" for k, v in self.settings)
+        return name + (f"-{self.variant}" if self.variant else "")
 
-    def overrides(self) -> list[str]:
-        changes = [  # a change to GRID_KEYS below goes with one here
-            f"model.norm_scheme={self.scheme}",
-            f"model.encoder_layers={self.depth}",
-            f"model.decoder_layers={self.depth}",
-        ]
-        if self.lr is not None:
-            changes += [f"optimizer.params.lr={self.lr}", f"scheduler.params.warmup_max_lr={self.lr}"]
-        if self.warmup is not None:  # DeepSpeed's warmup takes at least 2 steps whatever it is given
-            changes.append(f"scheduler.params.warmup_num_steps={max(1, self.warmup)}")
-        return changes
-
-
-# What a cell sets itself: a study's own overrides of these would be silently replaced.
-GRID_KEYS = ("model.norm_scheme", "model.encoder_layers", "model.decoder_layers", "optimizer.params.lr",
-             "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "train.save_dir")  # fmt: skip
+    def setting(self, key: str, base: RunConfig) -> float:
+        """The cell's value of an axis: its own, or the base config's."""
+        return dict(self.settings).get(key, next(a for a in AXES if a.key == key).read(base))
 
 
 def read_spec(path: str | Path) -> StudySpec:
     return parse_section(StudySpec, read_json(path), "study")
 
 
-def warmup_steps(cfg: RunConfig) -> int:
-    return int(cfg.deepspeed.get("scheduler", {}).get("params", {}).get("warmup_num_steps", 0))
+@cache
+def _base_config(config: str, overrides: tuple[str, ...]) -> RunConfig:
+    return load_config(ROOT / config, list(overrides), world_size=None)
 
 
-def base_schedule(spec: StudySpec) -> tuple[float, int]:
-    """The learning rate and warmup steps of every cell the sensitivity grid does not change."""
-    cfg = load_config(ROOT / spec.config, spec.overrides, world_size=None)
-    return cfg.deepspeed["optimizer"]["params"]["lr"], warmup_steps(cfg)
+def base_config(spec: StudySpec) -> RunConfig:
+    """The study's base config with its overrides: what every cell runs where its grid says nothing."""
+    return _base_config(spec.config, tuple(spec.overrides))
 
 
-def sensitivity_cell(spec: StudySpec, scheme: str, lr: float, warmup: int, base: tuple[float, int]) -> Cell:
-    """The sensitivity grid's cell; where it has the base lr and warmup at a main-grid depth it is the
-    main grid's cell, so that run is not made twice."""
-    assert spec.sensitivity is not None
-    depth = spec.sensitivity.depth
-    if (lr, warmup) == base and depth in spec.depths and scheme in spec.schemes:
-        return Cell(scheme, depth)
-    return Cell(scheme, depth, lr, warmup)
+def grid_cell(spec: StudySpec, scheme: str, depth: int, combination: dict[str, Any]) -> Cell:
+    """The cell of one scheme, depth and combination of axis values; values equal to the base config's
+    are left out of it, so that run is the same cell wherever a grid names it."""
+    given = [axis for axis in AXES if axis.key in combination]
+    base = base_config(spec) if given else None
+    settings = tuple((a.key, combination[a.key]) for a in given if combination[a.key] != a.read(base))
+    return Cell(scheme, depth, settings, combination.get("variants"))
+
+
+def combinations(grid: Grid) -> list[dict[str, Any]]:
+    keys = [key for key, _ in grid.axes()]
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(v for _, v in grid.axes()))]
+
+
+def grid_cells(spec: StudySpec, grid: Grid) -> list[Cell]:
+    """A grid's cells, shallow first, then by combination, then by scheme."""
+    return list(
+        dict.fromkeys(
+            grid_cell(spec, scheme, depth, combination)
+            for depth in sorted(grid.depths)
+            for combination in combinations(grid)
+            for scheme in grid.schemes
+        )
+    )
 
 
 def cells(spec: StudySpec) -> list[Cell]:
-    """The main grid by depth, then the sensitivity grid: shallow cells first, so a study's first
-    answers come early and the deepest cells, which cost most, come last."""
-    grid = [Cell(scheme, depth) for depth in sorted(spec.depths) for scheme in spec.schemes]
-    if s := spec.sensitivity:
-        base = base_schedule(spec)
-        grid += [sensitivity_cell(spec, scheme, lr, w, base) for scheme in s.schemes for lr in s.lrs for w in s.warmups]
-    return list(dict.fromkeys(grid))
+    """The main grid by depth, then each further grid in the study file's order: a study's first answers
+    come early and the deepest main-grid cells before any further grid."""
+    return list(dict.fromkeys(cell for grid in [spec.main_grid(), *spec.grids] for cell in grid_cells(spec, grid)))
 
 
 def cell_dir(spec: StudySpec, cell: Cell) -> Path:
     return Path(spec.out) / CELLS / cell.name
 
 
+def variant_overrides(spec: StudySpec, variant: str) -> list[str]:
+    return next(grid.variants[variant] for grid in spec.grids if variant in (grid.variants or {}))
+
+
+def grid_overrides(spec: StudySpec, cell: Cell) -> list[str]:
+    """What the cell's place in the grid sets: its scheme, depth, axis values and run directory."""
+    changes = [f"model.norm_scheme={cell.scheme}", f"model.encoder_layers={cell.depth}",
+               f"model.decoder_layers={cell.depth}", f"train.save_dir={cell_dir(spec, cell)}"]  # fmt: skip
+    for key, value in cell.settings:
+        changes += next(axis for axis in AXES if axis.key == key).sets(value, base_config(spec))
+    return changes
+
+
+def override_key(change: str) -> str:
+    return change.partition("=")[0].strip()
+
+
+def check_overrides(spec: StudySpec, grid: list[Cell]) -> None:
+    """A study override or a variant of a key the grid sets would be silently replaced: refused."""
+    for cell in grid:
+        owned = {override_key(change) for change in grid_overrides(spec, cell)}
+        for change in spec.overrides:
+            if (key := override_key(change)) in owned:
+                raise ConfigError(f"study.overrides: {key} is set by each cell (cell {cell.name} varies it); remove it")
+        for change in variant_overrides(spec, cell.variant) if cell.variant else []:
+            if (key := override_key(change)) in owned:
+                raise ConfigError(f"study: variant {cell.variant} sets {key}, which its grid sets; vary it there")
+
+
 def cell_overrides(spec: StudySpec, cell: Cell) -> list[str]:
-    return [*spec.overrides, *cell.overrides(), f"train.save_dir={cell_dir(spec, cell)}"]
+    """The study's overrides, then the cell's variant, then what its place in the grid sets."""
+    variant = variant_overrides(spec, cell.variant) if cell.variant else []
+    return [*spec.overrides, *variant, *grid_overrides(spec, cell)]
 
 
 def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:

@@ -21,16 +21,18 @@ from pipeline.config import RunConfig
 from pipeline.durable import write_atomic
 from pipeline.logs import read_jsonl
 from tools.figures import pyplot
-from tools.study import cell_records, read_baseline, read_cell
+from tools.study import cell_records, read_baseline, read_cell, read_sittings
 from tools.study_grid import (
+    AXES,
     Cell,
+    Grid,
     StudySpec,
-    base_schedule,
     cell_config,
     cell_dir,
     cells,
-    lr_text,
-    sensitivity_cell,
+    combinations,
+    grid_cell,
+    number_text,
     warmup_steps,
 )
 
@@ -75,8 +77,17 @@ def cell_summary(spec: StudySpec, cell: Cell, baseline: float) -> dict[str, Any]
     if result is None:
         steps = [r["step"] for r in cell_records(cell_dir(spec, cell)) if "loss" in r]
         return {"cell": cell.name, "class": INTERRUPTED, "step": steps[-1]} if steps else None
-    label, why = classify(cell_records(cell_dir(spec, cell)), result, baseline, cell_config(spec, cell))
-    return {"cell": cell.name, "class": label, "why": why, **result}
+    records = cell_records(cell_dir(spec, cell))
+    label, why = classify(records, result, baseline, cell_config(spec, cell))
+    tokens = [r["tokens"] for r in records if "tokens" in r]
+    machines = dict.fromkeys(cpu_text(sitting) for sitting in read_sittings(spec, cell))
+    return {"cell": cell.name, "class": label, "why": why, **result,
+            "tokens_per_update": sum(tokens) / len(tokens) if tokens else None, "cpus": list(machines)}  # fmt: skip
+
+
+def cpu_text(sitting: dict[str, Any]) -> str:
+    flags = "avx512_bf16" if sitting["avx512_bf16"] else "no avx512_bf16"
+    return f"{sitting['model']} ({flags}, {sitting['usable_cores']} cores)"
 
 
 def entry(summary: dict[str, Any] | None) -> str:
@@ -85,7 +96,7 @@ def entry(summary: dict[str, Any] | None) -> str:
     if summary["class"] == INTERRUPTED:
         return f"interrupted at step {summary['step']}"
     if summary["class"] == TRAINED:
-        return f"trained: {summary['valid_nll']:.2f}, BLEU {summary['bleu']:.1f}"
+        return f"trained: {summary['valid_nll']:.2f} / {summary['shuffled_nll']:.2f}, BLEU {summary['bleu']:.1f}"
     return f"{summary['class']}: {summary['why']}"
 
 
@@ -94,21 +105,60 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
+LABELS = {**{axis.key: axis.tag for axis in AXES}, "variants": ""}
+
+
+def combination_text(combination: dict[str, Any]) -> str:
+    return ", ".join(f"{LABELS[k]} {number_text(v)}" if LABELS[k] else str(v) for k, v in combination.items())
+
+
+def grid_table(spec: StudySpec, grid: Grid, summaries: dict[Cell, dict[str, Any] | None]) -> str:
+    """Schemes x depths for a grid of those alone; otherwise (scheme, depth) x the axes' combinations."""
+    depths = sorted(grid.depths)
+    if not grid.axes():
+        rows = [[s, *(entry(summaries[grid_cell(spec, s, d, {})]) for d in depths)] for s in grid.schemes]
+        return markdown_table(["scheme", *(f"{d}L-{d}L" for d in depths)], rows)
+    columns = combinations(grid)
+    one_depth = len(depths) == 1
+    header = ["scheme" + (f" ({depths[0]}L-{depths[0]}L)" if one_depth else ""), *map(combination_text, columns)]
+    rows = []
+    for d in depths:
+        for scheme in grid.schemes:
+            label = scheme if one_depth else f"{scheme} {d}L-{d}L"
+            rows.append([label, *(entry(summaries[grid_cell(spec, scheme, d, c)]) for c in columns)])
+    return markdown_table(header, rows)
+
+
 def tables(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str:
-    """Schemes x depths; then, for a sensitivity grid, schemes x (learning rate, warmup)."""
-    depths = sorted(spec.depths)
-    rows = [[scheme, *(entry(summaries[Cell(scheme, d)]) for d in depths)] for scheme in spec.schemes]
-    text = markdown_table(["scheme", *(f"{d}L-{d}L" for d in depths)], rows)
-    if s := spec.sensitivity:
-        base = base_schedule(spec)
-        columns = [(lr, w) for lr in s.lrs for w in s.warmups]
-        header = [f"scheme ({s.depth}L-{s.depth}L)", *(f"lr {lr_text(lr)}, warmup {w}" for lr, w in columns)]
-        rows = [
-            [scheme, *(entry(summaries[sensitivity_cell(spec, scheme, lr, w, base)]) for lr, w in columns)]
-            for scheme in s.schemes
-        ]
-        text += "\n\n" + markdown_table(header, rows)
-    return text
+    """The main grid, then each further grid under its title."""
+    parts = [grid_table(spec, spec.main_grid(), summaries)]
+    parts += [(f"### {g.title}\n\n" if g.title else "") + grid_table(spec, g, summaries) for g in spec.grids]
+    return "\n\n".join(parts)
+
+
+def cell_list(summaries: dict[Cell, dict[str, Any] | None]) -> str:
+    """Every cell that ran: its class, losses, tokens per update, time and the CPUs it trained on."""
+    rows = []
+    for summary in summaries.values():
+        if summary is None or summary["class"] == INTERRUPTED:
+            continue
+        losses = f"{summary['valid_nll']:.2f} / {summary['shuffled_nll']:.2f}" if "valid_nll" in summary else "-"
+        tokens = summary["tokens_per_update"]
+        rows.append([
+            summary["cell"], summary["class"], losses, f"{summary['bleu']:.1f}" if "bleu" in summary else "-",
+            f"{tokens:,.0f}" if tokens else "-", f"{(summary['seconds'] + summary.get('eval_seconds', 0)) / 60:.1f}",
+            " + ".join(summary["cpus"]) or "not recorded",
+        ])  # fmt: skip
+    header = ["cell", "class", "valid / shuffled", "BLEU", "target tokens per update", "minutes", "CPU"]
+    return markdown_table(header, rows)
+
+
+def hours_by_class(summaries: dict[Cell, dict[str, Any] | None]) -> str:
+    hours = dict.fromkeys(CLASSES, 0.0)
+    for s in summaries.values():
+        if s is not None and s["class"] != INTERRUPTED:
+            hours[s["class"]] += (s["seconds"] + s.get("eval_seconds", 0)) / 3600
+    return ", ".join(f"{label} {h:.2f} h" for label, h in hours.items())
 
 
 def divergence_map(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], out: Path) -> None:
@@ -216,12 +266,18 @@ def write_report(spec: StudySpec) -> Path:
     lines = [
         f"# Depth study: {out.name}",
         "",
-        f"Entries: class, then validation loss (unsmoothed nats per token) and validation BLEU for trained cells. "
-        f"Unigram baseline {baseline:.2f}. Finished cells took {seconds / 3600:.2f} h (training and evaluation).",
+        f"Entries: class, then validation loss (unsmoothed nats per token, real / shuffled sources) and "
+        f"validation BLEU for trained cells. "
+        f"Unigram baseline {baseline:.2f}. Finished cells took {seconds / 3600:.2f} h (training and evaluation): "
+        f"{hours_by_class(summaries)}.",
         "",
         tables(spec, summaries),
         "",
         *[f"![{name}]({name})" for name in figures],
+        "",
+        "## Every cell",
+        "",
+        cell_list(summaries),
         "",
     ]
     write_atomic(out / REPORT, "\n".join(lines))

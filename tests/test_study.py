@@ -87,6 +87,15 @@ def test_each_axis_sets_what_it_names():
     assert cell_config(spec, cells(spec)[0]).deepspeed["gradient_clipping"] == 1.0  # the base config's
 
 
+def test_a_variant_of_no_overrides_is_the_base_configs_cell():
+    """The base config's T as a column beside the variants, without training that run twice."""
+    spec = StudySpec(
+        config="ds_configs/study_multi30k_base.json", out="o", schemes=["branchnorm"], depths=[6],
+        grids=[Grid(schemes=["branchnorm"], depths=[6], variants={"T10": [], "T3": ["model.branchnorm.T=3"]})],
+    )  # fmt: skip
+    assert [c.name for c in cells(spec)] == ["branchnorm-6L", "branchnorm-6L-T3"]
+
+
 def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path, multi30k_slice):
     """Its report draws: the study trained for hours, then ended in a ModuleNotFoundError traceback."""
     path = write_study(tmp_path, multi30k_slice)

@@ -101,7 +101,8 @@ class Grid:
     clips: list[float] | None = None  # gradient_clipping; 0 means none
     accumulations: list[int] | None = None  # gradient_accumulation_steps: tokens per update
     updates: list[int] | None = None  # train.max_steps (and a decaying schedule's end)
-    variants: dict[str, list[str]] | None = None  # name -> overrides, e.g. {"T30": ["model.branchnorm.T=30"]}
+    # name -> overrides, e.g. {"T48": ["model.branchnorm.T=48"]}; no overrides names the base config's column
+    variants: dict[str, list[str]] | None = None
 
     def check(self, where: str) -> None:
         for key in ("schemes", "depths", *(axis.key for axis in AXES), "variants"):
@@ -202,12 +203,14 @@ def base_config(spec: StudySpec) -> RunConfig:
 
 
 def grid_cell(spec: StudySpec, scheme: str, depth: int, combination: dict[str, Any]) -> Cell:
-    """The cell of one scheme, depth and combination of axis values; values equal to the base config's
-    are left out of it, so that run is the same cell wherever a grid names it."""
+    """The cell of one scheme, depth and combination of axis values; values equal to the base config's,
+    and a variant of no overrides (a column for the base), are left out of it, so that run is the same
+    cell wherever a grid names it."""
     given = [axis for axis in AXES if axis.key in combination]
     base = base_config(spec) if given else None
     settings = tuple((a.key, combination[a.key]) for a in given if combination[a.key] != a.read(base))
-    return Cell(scheme, depth, settings, combination.get("variants"))
+    variant = combination.get("variants")
+    return Cell(scheme, depth, settings, variant if variant and variant_overrides(spec, variant) else None)
 
 
 def combinations(grid: Grid) -> list[dict[str, Any]]:

@@ -11,9 +11,11 @@ A cell is
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from pipeline.checkpoint import GRAD_NORMS_FILE
@@ -250,6 +252,52 @@ def heatmap(spec: StudySpec, out: Path) -> bool:
     return True
 
 
+def early_gradients(spec: StudySpec) -> str:
+    """Fig. 3's numbers at the main grid's deepest depth: the gradient norm (before clipping) of step 1,
+    the largest of steps 1-10, and the medians of steps 11-50 and of the last third of the run."""
+    depth = max(spec.depths)
+    rows = []
+    for scheme in spec.schemes:
+        norms = [r["grad_norm"] for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "grad_norm" in r]
+        if len(norms) >= 50:
+            numbers = [norms[0], max(norms[:10]), median(norms[10:50]), median(norms[-len(norms) // 3 :])]
+            rows.append([scheme, *(f"{n:.3g}" for n in numbers)])
+    header = [f"{depth}L-{depth}L", "step 1", "largest of steps 1-10", "median of steps 11-50", "median, last third"]
+    return markdown_table(header, rows) if rows else ""
+
+
+def source_gap(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], out: Path) -> bool:
+    """How much the real source helps (validation loss with shuffled sources minus with real ones)
+    against the measured tokens per update, one line per scheme and depth of each grid that varies
+    accumulation; False if no such grid has finished cells."""
+    plt = pyplot(STUDY)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for grid in (g for g in spec.grids if g.accumulations):
+        for depth, scheme in itertools.product(sorted(grid.depths), grid.schemes):
+            points = sorted(
+                (s["tokens_per_update"], s["shuffled_nll"] - s["valid_nll"])
+                for c in combinations(grid)
+                if (s := summaries[grid_cell(spec, scheme, depth, c)]) and "valid_nll" in s
+            )
+            if points:
+                color = f"C{spec.schemes.index(scheme) if scheme in spec.schemes else len(spec.schemes)}"
+                style = "o-" if depth == min(grid.depths) else "s--"
+                ax.plot(*zip(*points, strict=True), style, color=color, label=f"{scheme} {depth}L-{depth}L")
+    drawn = bool(ax.lines)
+    if drawn:
+        ax.axhline(SOURCE_MARGIN, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("target tokens per update (measured mean)")
+        ax.set_ylabel("shuffled - real validation loss (nats)")
+        ax.set_title("does the decoder read the source? (dotted: the 'trained' margin)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return drawn
+
+
 def write_report(spec: StudySpec) -> Path:
     """STUDY/report.md with its figures and STUDY/summary.json, from the cells' logs; returns the report."""
     out = Path(spec.out)
@@ -261,6 +309,8 @@ def write_report(spec: StudySpec) -> Path:
     figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
     if heatmap(spec, out / "grad_norm_heatmap.png"):
         figures.append("grad_norm_heatmap.png")
+    if source_gap(spec, summaries, out / "source_gap.png"):
+        figures.append("source_gap.png")
     finished = [s for s in summaries.values() if s and s["class"] != INTERRUPTED]
     seconds = sum(s["seconds"] + s.get("eval_seconds", 0) for s in finished)
     lines = [
@@ -274,6 +324,8 @@ def write_report(spec: StudySpec) -> Path:
         tables(spec, summaries),
         "",
         *[f"![{name}]({name})" for name in figures],
+        "",
+        early_gradients(spec),
         "",
         "## Every cell",
         "",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError, parse_section
+from pipeline import checkpoint_saving
 from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +49,7 @@ def warmup_steps(cfg: RunConfig) -> int:
 
 def accumulation(cfg: RunConfig) -> int:
     """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
-    ds = cfg.deepspeed
-    if "gradient_accumulation_steps" in ds:
-        return ds["gradient_accumulation_steps"]
-    return ds.get("train_batch_size", 1) // ds.get("train_micro_batch_size_per_gpu", 1)
+    return checkpoint_saving.accumulation(cfg.deepspeed, replicas=1)
 
 
 def set_lr(lr: float, cfg: RunConfig) -> list[str]:
@@ -61,6 +59,10 @@ def set_lr(lr: float, cfg: RunConfig) -> list[str]:
 def set_warmup(steps: float, cfg: RunConfig) -> list[str]:
     # 0 means none: DeepSpeed's warmup schedulers take at least 2 steps whatever they are given
     return [f"scheduler.params.warmup_num_steps={max(1, int(steps))}"]
+
+
+def set_clip(clip: float, cfg: RunConfig) -> list[str]:
+    return [f"gradient_clipping={clip}"]
 
 
 def set_accumulation(steps: float, cfg: RunConfig) -> list[str]:
@@ -77,13 +79,7 @@ def set_updates(steps: float, cfg: RunConfig) -> list[str]:
 AXES = (
     Axis("lrs", "lr", lambda cfg: cfg.deepspeed["optimizer"]["params"]["lr"], set_lr, minimum=0.0),
     Axis("warmups", "warmup", warmup_steps, set_warmup, minimum=0),
-    Axis(
-        "clips",
-        "clip",
-        lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0),
-        lambda clip, cfg: [f"gradient_clipping={clip}"],
-        minimum=0.0,
-    ),  # fmt: skip
+    Axis("clips", "clip", lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0), set_clip, minimum=0.0),
     Axis("accumulations", "acc", accumulation, set_accumulation, minimum=1),
     Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates, minimum=1),
 )

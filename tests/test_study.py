@@ -15,7 +15,7 @@ from pipeline.config import load_config
 from tests.conftest import ROOT, without_matplotlib
 from tools.study import CELL_FILE, check, read_sittings
 from tools.study import main as study_main
-from tools.study_grid import Grid, StudySpec, cell_config, cell_dir, cells, read_spec
+from tools.study_grid import Grid, StudySpec, cell_config, cell_dir, cells, check_overrides, read_spec
 from tools.study_report import DIVERGED, STALLED, TRAINED, classify, cpu_text
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
@@ -68,11 +68,31 @@ def test_a_grid_cell_at_the_base_settings_is_the_main_grids_run():
     assert [c.name for c in cells(spec)] == ["pre_ln-6L", "post_ln-6L", "pre_ln-6L-lr0.002", "post_ln-6L-lr0.002"]
 
 
-def test_each_axis_sets_what_it_names():
+SHIPPED_STUDIES = [
+    p for p in sorted((ROOT / "ds_configs").glob("study_*.json")) if "schemes" in json.loads(p.read_text())
+]
+
+
+@pytest.mark.parametrize("path", SHIPPED_STUDIES, ids=lambda p: p.name)
+def test_every_cell_of_a_shipped_study_is_a_valid_run(path, multi30k_slice):
+    data = json.loads(path.read_text())
+    spec = read_spec(path)
+    spec.overrides.append(f"data.path={multi30k_slice}")
+    check_overrides(spec, grid := cells(spec))
+    for cell in grid:
+        cfg = cell_config(spec, cell)
+        assert (cfg.model.norm_scheme, cfg.model.encoder_layers, cfg.model.decoder_layers) == (
+            cell.scheme, cell.depth, cell.depth,
+        )  # fmt: skip
+    assert len({cell_dir(spec, c) for c in grid}) == len(grid) >= len(data["schemes"]) * len(data["depths"])
+
+
+def test_each_axis_sets_what_it_names(multi30k_slice):
     """Tokens per update through accumulation (the batch follows it, so DeepSpeed's check holds), the number
     of updates with the decaying schedule's end, clipping, a warmup of none, and a variant's overrides."""
     spec = StudySpec(
         config="ds_configs/study_multi30k_base.json", out="o", schemes=["branchnorm"], depths=[6],
+        overrides=[f"data.path={multi30k_slice}"],
         grids=[Grid(schemes=["branchnorm"], depths=[6], clips=[0.0], accumulations=[8], updates=[1200], warmups=[0],
                     variants={"T48": ["model.branchnorm.T=48"]})],
     )  # fmt: skip

@@ -252,12 +252,14 @@ def heatmap(spec: StudySpec, out: Path) -> bool:
     return True
 
 
-def early_gradients(spec: StudySpec) -> str:
+def early_gradients(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str:
     """Fig. 3's numbers at the main grid's deepest depth: the gradient norm (before clipping) of step 1,
     the largest of steps 1-10, and the medians of steps 11-50 and of the last third of the run."""
     depth = max(spec.depths)
     rows = []
     for scheme in spec.schemes:
+        if (summaries[Cell(scheme, depth)] or {}).get("class", INTERRUPTED) == INTERRUPTED:
+            continue
         norms = [r["grad_norm"] for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "grad_norm" in r]
         if len(norms) >= 50:
             numbers = [norms[0], max(norms[:10]), median(norms[10:50]), median(norms[-len(norms) // 3 :])]
@@ -325,7 +327,7 @@ def write_report(spec: StudySpec) -> Path:
         "",
         *[f"![{name}]({name})" for name in figures],
         "",
-        early_gradients(spec),
+        early_gradients(spec, summaries),
         "",
         "## Every cell",
         "",

@@ -84,7 +84,7 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
     log = directory.parent / f"{cell.name}.log"  # beside the run: train.py makes and may remove the run
     steps = [r["step"] for r in cell_records(directory) if "loss" in r]
     sitting = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_step": steps[-1] if steps else 0, **cpu()}
-    with open(directory.parent / f"{cell.name}{SITTINGS}", "a") as out:
+    with open(sittings_path(spec, cell), "a") as out:
         out.write(json.dumps(sitting) + "\n")
     with open(log, "a") as out:
         status = subprocess.run(command(spec, cell, cfg, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
@@ -135,8 +135,12 @@ def cell_records(directory: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.exists() else []
 
 
+def sittings_path(spec: StudySpec, cell: Cell) -> Path:
+    return cell_dir(spec, cell).parent / f"{cell.name}{SITTINGS}"  # beside the log, for the same reason
+
+
 def read_sittings(spec: StudySpec, cell: Cell) -> list[dict[str, Any]]:
-    path = cell_dir(spec, cell).parent / f"{cell.name}{SITTINGS}"
+    path = sittings_path(spec, cell)
     return read_jsonl(path) if path.exists() else []
 
 

@@ -83,6 +83,7 @@ AXES = (
     Axis("accumulations", "acc", accumulation, set_accumulation, minimum=1),
     Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates, minimum=1),
 )
+AXIS = {axis.key: axis for axis in AXES}
 
 
 @dataclass
@@ -175,13 +176,8 @@ class Cell:
 
     @property
     def name(self) -> str:
-        tags = {axis.key: axis.tag for axis in AXES}
-        name = f"{self.scheme}-{self.depth}L" + "".join(f"-{tags[k]}{number_text(v)}" for k, v in self.settings)
+        name = f"{self.scheme}-{self.depth}L" + "".join(f"-{AXIS[k].tag}{number_text(v)}" for k, v in self.settings)
         return name + (f"-{self.variant}" if self.variant else "")
-
-    def setting(self, key: str, base: RunConfig) -> float:
-        """The cell's value of an axis: its own, or the base config's."""
-        return dict(self.settings).get(key, next(a for a in AXES if a.key == key).read(base))
 
 
 def read_spec(path: str | Path) -> StudySpec:
@@ -245,7 +241,7 @@ def grid_overrides(spec: StudySpec, cell: Cell) -> list[str]:
     changes = [f"model.norm_scheme={cell.scheme}", f"model.encoder_layers={cell.depth}",
                f"model.decoder_layers={cell.depth}", f"train.save_dir={cell_dir(spec, cell)}"]  # fmt: skip
     for key, value in cell.settings:
-        changes += next(axis for axis in AXES if axis.key == key).sets(value, base_config(spec))
+        changes += AXIS[key].sets(value, base_config(spec))
     return changes
 
 

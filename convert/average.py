@@ -35,36 +35,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from model.config import ConfigError, ModelConfig, exit_on_config_error
-from pipeline.checkpoint import (
+from common.errors import ConfigError, exit_on_config_error
+from common.files import fsync_dir, save_file, staged
+from common.run_layout import (
     BEST,
     CONFIG_FILE,
     MODEL_STATES,
+    committed,
+    committed_checkpoints,
     file_damage,
     global_step,
     latest_step,
     layer_file,
     load_file,
-    missing_layer_files,
-    model_config,
     plain_name,
     read_manifest,
     run_record,
-    saved_layers,
     schedule_step,
     tag_step,
 )
-from pipeline.durable import fsync_dir, save_file
-from pipeline.staging import staged
+from model.config import ModelConfig
+from model.trained import missing_layer_files, model_config, saved_layers
 
 SUMMARY = "fathom_average.json"
-STEP_TAG = re.compile(r"global_step(\d+)")
 ONE_RUN = "average checkpoints of one run"
 
 
@@ -81,24 +79,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--force", action="store_true", help="replace an existing output tag")
     return parser.parse_args(argv)
-
-
-def committed(checkpoint: Path, latest: int) -> bool:
-    """Whether a global_stepN tag is a finished save: it has a manifest, or (runs from before
-    manifests) its step is not past `latest`'s. pipeline/checkpoint_saving.py deletes the others on --resume."""
-    match = STEP_TAG.fullmatch(checkpoint.name)
-    return match is None or read_manifest(checkpoint) is not None or int(match[1]) <= latest
-
-
-def committed_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
-    """(N, directory) of the committed global_stepN checkpoints, by N."""
-    latest = latest_step(save_dir)
-    return sorted(
-        (int(match[1]), path)
-        for path in save_dir.iterdir()
-        if (match := STEP_TAG.fullmatch(path.name)) and path.is_dir() and not path.is_symlink()
-        if committed(path, latest)
-    )
 
 
 def last_checkpoints(save_dir: Path, k: int) -> list[Path]:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_output_dir, save_file, staged
+from common.run_layout import CONFIG_FILE, LATEST, layer_file
 from convert.to_fairseq import fairseq_key
-from model.config import ConfigError, ModelConfig, exit_on_config_error
+from model.config import ModelConfig
 from model.parts import model_parts
-from pipeline.checkpoint import CONFIG_FILE, LATEST, layer_file
-from pipeline.durable import save_file
-from pipeline.staging import check_output_dir, staged
 
 TAG = "fairseq"
 SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace

@@ -30,24 +30,16 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_output_dir, save_file, staged
+from common.run_layout import checkpoint_dir, layer_file, load_file, schedule_step
 from corpus.batches import collate
-from corpus.prepared import BinarizedCorpus
-from model.config import PAD, ConfigError, ModelConfig, exit_on_config_error
+from corpus.prepared import BinarizedCorpus, check_vocab
+from model.config import PAD, ModelConfig
 from model.fold import folded
-from model.norms import SCHEMES, build_scheme
+from model.norms import SCHEMES, ScheduleHook, build_scheme
 from model.parts import Part, build_parts, model_parts
-from pipeline.checkpoint import (
-    check_vocab,
-    checkpoint_dir,
-    layer_file,
-    load_file,
-    missing_layer_files,
-    model_config,
-    schedule_step,
-)
-from pipeline.durable import save_file
-from pipeline.hooks import ScheduleHook
-from pipeline.staging import check_output_dir, staged
+from model.trained import missing_layer_files, model_config
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"

@@ -14,7 +14,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from model.config import EOS, NUM_SPECIAL, PAD, ConfigError
+from common.errors import ConfigError
+from model.config import EOS, NUM_SPECIAL, PAD
 
 MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 

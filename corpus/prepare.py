@@ -28,12 +28,14 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_output_dir, staged
+from common.run_layout import META_FILE
 from corpus import subwords
 from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Filters, Workers, encode_chunk, id_dtype, remap
-from corpus.prepared import META_FILE, Dictionary, PreparedData, file_record
+from corpus.prepared import Dictionary, PreparedData, file_record
 from corpus.text import decode_line, find_file, raw_lines
-from model.config import UNK, ConfigError, exit_on_config_error
-from pipeline.staging import check_output_dir, staged
+from model.config import UNK
 
 SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length sentence (1.4 GB here)
 SPM_SEED = 1

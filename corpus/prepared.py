@@ -22,10 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.config import EOS, NUM_SPECIAL, PAD, UNK, ConfigError
+from common.errors import ConfigError
+from common.files import write_atomic
+from common.run_layout import DICTIONARIES_FILE, META_FILE
+from model.config import EOS, NUM_SPECIAL, PAD, UNK, ModelConfig
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
-META_FILE = "meta.json"  # written last by prepare_data.py
 PADDING_FACTOR = 8  # fairseq-preprocess pads dictionaries to a multiple of 8 with madeupwordNNNN
 
 
@@ -269,3 +271,34 @@ def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:
         records = [(data.files or {}).get(name, {}).get("sha256") for data in (first, shard)]
         if records[0] != records[1] or (records[0] is None and first.files is None):
             raise ConfigError(f"data.path: shard {shard.path} has another {name} than {first.path}; {fix}")
+
+
+def dictionary_digests(corpus: PreparedData) -> dict[str, str]:
+    names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
+    return {name: hashlib.sha256((corpus.path / name).read_bytes()).hexdigest() for name in sorted(names)}
+
+
+def write_dictionaries(save_dir: str | Path, corpus: PreparedData) -> None:
+    text = json.dumps({"data": str(corpus.path), "sha256": dictionary_digests(corpus)}, indent=2)
+    write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
+
+
+def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData) -> None:
+    """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
+    (by content where the run recorded them, by size for older runs)."""
+    fix, data = "use the run's data directory", corpus.path
+    if (cfg.src_vocab_size, cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
+        raise ConfigError(
+            f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
+            f"trained with {cfg.src_vocab_size}/{cfg.tgt_vocab_size}; {fix}"
+        )
+    recorded = Path(save_dir) / DICTIONARIES_FILE
+    if not recorded.exists():
+        return
+    trained = json.loads(recorded.read_text())
+    for name, digest in dictionary_digests(corpus).items():
+        if trained["sha256"].get(name) != digest:
+            raise ConfigError(
+                f"{data}: {name} is not the dictionary the run in {save_dir} was trained with "
+                f"(that was {trained['data']}); {fix}"
+            )

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from model.config import ConfigError
+from common.errors import ConfigError
 
 GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # cut short, not gzip, damaged inside
 

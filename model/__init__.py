@@ -4,7 +4,8 @@ Nothing in this package imports DeepSpeed: `pipeline/` applies pipeline parallel
 layers from outside, and the same layer classes make the single-process reference model.
 """
 
-from model.config import ConfigError, ModelConfig
+from common.errors import ConfigError
+from model.config import ModelConfig
 from model.norms import SCHEMES, NormScheme, build_scheme, register
 from model.transformer import Transformer
 

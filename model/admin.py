@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model.config import ConfigError, ModelConfig
+from common.errors import ConfigError
+from common.run_layout import PROFILE_FILE
+from model.config import ModelConfig
 from model.norms import AdminResidual
 
-PROFILE_FILE = "admin_profile.json"
 # sublayer name -> (Var[input], Var[branch output])
 Variances = dict[str, tuple[float, float]]
 

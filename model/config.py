@@ -7,52 +7,16 @@ unknown key or a value of the wrong type is a one-line `ConfigError` naming the 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import sys
-import time
 import types
 import typing
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from common.errors import ConfigError, unknown_key_error
 
 # fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
 BOS, PAD, EOS, UNK = 0, 1, 2, 3
 NUM_SPECIAL = 4
-
-
-class ConfigError(ValueError):
-    """A configuration mistake a user must fix; the message is one line naming key and fix."""
-
-
-# How long a rank that is not the reporter waits before exiting on a config error. The launcher kills
-# every rank as soon as one exits, so a quiet rank that exits first can kill the reporter before its
-# line is out; waiting lets the reporter's exit end the job. If the wait runs out, the error was this
-# rank's alone (a file only its node lacks) and it reports it itself.
-REPORTER_GRACE_S = 20.0
-
-
-@contextmanager
-def exit_on_config_error(report: bool = True) -> Iterator[None]:
-    """For command-line entry points: a ConfigError ends the process with its one line on stderr and
-    exit status 2; a file that cannot be read or written (a full disk, permissions) with the system's
-    line and exit status 1. With `report` false (every rank but the first) the process first waits
-    REPORTER_GRACE_S for the first rank to report the same error and end the job."""
-    try:
-        yield
-    except ConfigError as err:
-        _exit_with(str(err), 2, report)
-    except OSError as err:
-        where = f"{err.filename}: " if err.filename else ""
-        _exit_with(f"{where}{err.strerror or err}", 1, report)
-
-
-def _exit_with(message: str, status: int, report: bool) -> None:
-    if not report:
-        time.sleep(REPORTER_GRACE_S)
-    print(f"fathom: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(status)
 
 
 T = TypeVar("T")
@@ -97,13 +61,6 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
     if not isinstance(value, tp):
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     return value
-
-
-def unknown_key_error(key: str, known: typing.Iterable[str]) -> ConfigError:
-    name = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(name, list(known), n=1)
-    hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"{key}: unknown key; {hint}")
 
 
 def parse_section(cls: type[T], data: Any, where: str) -> T:

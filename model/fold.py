@@ -24,7 +24,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from model.config import ConfigError
+from common.errors import ConfigError
 from model.embedding import Embedding, sinusoidal_table
 from model.layers import TransformerLayer
 from model.norms import build_scheme

@@ -23,7 +23,8 @@ from typing import ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from model.config import ConfigError, ModelConfig, parse_section
+from common.errors import ConfigError
+from model.config import ModelConfig, parse_section
 
 Side = Literal["encoder", "decoder"]
 Branch = Callable[[torch.Tensor], torch.Tensor]
@@ -454,3 +455,14 @@ class BranchNorm(NormScheme):
 
     def step_metrics(self, step: int) -> dict[str, float]:
         return {"alpha": self.alpha(step)}
+
+
+class ScheduleHook:
+    """Moves every StepScheduled module of this stage (e.g. BranchNorm's alpha_t) to the step."""
+
+    def __init__(self, module: nn.Module):
+        self.scheduled = [m for m in module.modules() if isinstance(m, StepScheduled)]
+
+    def __call__(self, step: int) -> None:
+        for module in self.scheduled:
+            module.set_step(step)

@@ -28,31 +28,30 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from corpus.batches import ParallelCorpus
-from corpus.prepared import PreparedData
-from model.config import ConfigError
-from pipeline.checkpoint import (
+from common.errors import ConfigError
+from common.files import fsync_dir, save_file, unique_sibling, write_atomic
+from common.run_layout import (
     BEST,
     CONFIG_FILE,
     LATEST,
     MANIFEST,
-    check_same_model,
-    check_vocab,
+    best_tag,
     deepspeed_state_types,
     file_damage,
-    latest_step,
     latest_tag,
+    leftovers,
     linked_best,
     load_file,
-    model_config,
     model_states,
     read_manifest,
-    tag_step,
+    step_tag,
 )
+from corpus.batches import ParallelCorpus
+from corpus.prepared import PreparedData, check_vocab
+from model.trained import check_same_model, model_config
 from pipeline.config import RunConfig
 from pipeline.config_history import flat, read_back, shown
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
-from pipeline.durable import fsync_dir, save_file, unique_sibling, write_atomic
 from pipeline.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
 from pipeline.world import end_distributed
 
@@ -96,18 +95,13 @@ def link_atomic(path: Path, target: str) -> None:
     fsync_dir(path.parent)
 
 
-def best_tag(step: int) -> str:
-    """The directory a best checkpoint is written to; the `best` link names the newest committed one."""
-    return f"{BEST}_global_step{step}"
-
-
 def save(
     engine: deepspeed.PipelineEngine, save_dir: str | Path, client_state: dict[str, Any], best: bool, schedule_step: int
 ) -> str:
     """Saves and commits one checkpoint on all ranks, its manifest recording the schedule step its
     step-dependent values belong to (checkpoint.schedule_step); returns its tag."""
     save_dir = Path(save_dir)
-    tag = best_tag(engine.global_steps) if best else f"global_step{engine.global_steps}"
+    tag = best_tag(engine.global_steps) if best else step_tag(engine.global_steps)
     writer: CommittingCheckpointEngine = checkpoint_engine(engine)
     if dist.get_rank() == 0:
         # A manifest left from an earlier attempt at this tag must not vouch for files being rewritten
@@ -212,20 +206,11 @@ def verify_contents(save_dir: str | Path, weights_only: bool = False) -> tuple[P
 
 
 def remove_uncommitted(save_dir: str | Path) -> list[str]:
-    """Deletes what crashed saves left: tag directories without a manifest past the latest step, and best
-    checkpoints that neither `best` nor `latest` names any more. Returns their names. Global rank 0 only."""
-    save_dir = Path(save_dir)
-    kept, newest = {latest_tag(save_dir), linked_best(save_dir)}, latest_step(save_dir)
-    removed = []
-    for path in sorted(save_dir.glob("*global_step*")):
-        if not path.is_dir() or path.is_symlink() or (step := tag_step(path.name)) is None or path.name in kept:
-            continue
-        crashed = path.name.startswith("global_step") and step > newest and read_manifest(path) is None
-        stale_best = path.name.startswith(f"{BEST}_")
-        if crashed or stale_best:
-            shutil.rmtree(path)
-            removed.append(path.name)
-    return removed
+    """Deletes what crashed saves left (run_layout.leftovers) and returns their names. Global rank 0 only."""
+    removed = leftovers(Path(save_dir))
+    for path in removed:
+        shutil.rmtree(path)
+    return [path.name for path in removed]
 
 
 def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, world_size: int) -> None:

@@ -13,11 +13,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
+from common.heap import CPU_HEAPS
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.prepared import BinarizedCorpus, PreparedData, ShardedCorpus
-from model.config import ConfigError, ModelConfig, parse_section
+from model.config import ModelConfig, parse_section
 from pipeline.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
-from pipeline.heap import CPU_HEAPS
 
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 

@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpoint import CONFIG_FILE, CONFIG_HISTORY
-from pipeline.durable import write_atomic
-from pipeline.logs import read_jsonl
+from common.files import write_atomic
+from common.jsonl import read_jsonl
+from common.run_layout import CONFIG_FILE, CONFIG_HISTORY
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -29,6 +29,7 @@ from deepspeed.pipe import PipelineModule
 from sacrebleu.metrics import BLEU
 from torch import nn
 
+from common.files import write_atomic
 from corpus.batches import ParallelCorpus, length_batches, with_eos
 from corpus.prepared import BinarizedCorpus
 from corpus.text import read_lines
@@ -38,7 +39,6 @@ from model.layers import DecoderLayer, EncoderLayer
 from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
 from pipeline.config import ValidBleu
-from pipeline.durable import write_atomic
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

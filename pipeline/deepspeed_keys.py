@@ -14,13 +14,12 @@ part (the recording dict, the pydantic sections, the constructor signatures) nee
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
 import logging
 from collections.abc import Callable, ItemsView, KeysView, ValuesView
 from typing import Any
 
-from model.config import ConfigError
+from common.errors import ConfigError, closest
 
 # Read outside DeepSpeedConfig, by deepspeed.initialize itself (deepspeed/__init__.py, 0.19.8).
 READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
@@ -83,11 +82,6 @@ def pipeline_keys() -> set[str]:
     from deepspeed.runtime.config import get_pipeline_config
 
     return set(get_pipeline_config({})) | {"use_reentrant"}
-
-
-def closest(key: str, known: set[str] | frozenset[str]) -> str:
-    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    return f"; did you mean '{match[0]}'?" if match else ""
 
 
 def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> None:

@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from model.config import ConfigError, ModelConfig, unknown_key_error
+from common.errors import ConfigError, unknown_key_error
+from common.files import check_makeable
+from model.config import ModelConfig
 from model.parts import model_parts
 from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
-from pipeline.staging import check_makeable
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py

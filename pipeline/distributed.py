@@ -9,9 +9,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from model.config import ConfigError
+from common.errors import ConfigError
+from common.heap import set_training_heap
 from pipeline.config import TrainConfig
-from pipeline.heap import set_training_heap
 from pipeline.watchdog import backend_timeout
 from pipeline.world import cpu_threads, master_port
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from deepspeed.accelerator import get_accelerator
 from deepspeed.launcher import runner
 
-from model.config import ConfigError, exit_on_config_error
+from common.errors import ConfigError, exit_on_config_error
 from pipeline.preflight import check_run
 from pipeline.train import parse_args as parse_train_args
 

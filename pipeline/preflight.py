@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from common.errors import ConfigError
+from common.files import check_makeable
+from common.run_layout import META_FILE, has_checkpoints
 from corpus.batches import ParallelCorpus, check_budget
-from corpus.prepared import META_FILE
-from model.config import ConfigError
 from model.layers import compiler_missing
+from model.trained import check_init_from
 from pipeline import admin, checkpoint_saving
-from pipeline.checkpoint import check_init_from, has_checkpoints
 from pipeline.config import RunConfig, build_corpus, resolve_run
 from pipeline.rundir import check_not_in_use
-from pipeline.staging import check_makeable
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:

@@ -28,10 +28,10 @@ from typing import Any
 import deepspeed
 import torch.distributed as dist
 
-from model.config import ConfigError
-from pipeline.checkpoint import MANIFEST, file_damage, read_manifest
+from common.errors import ConfigError
+from common.files import fsync_dir, unique_sibling, write_atomic
+from common.run_layout import MANIFEST, file_damage, read_manifest
 from pipeline.deepspeed_internals import stage_bounds
-from pipeline.durable import fsync_dir, unique_sibling, write_atomic
 
 UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
 STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")

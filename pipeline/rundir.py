@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from model.config import ConfigError
-from pipeline.checkpoint import LOCK_FILE, has_checkpoints
+from common.errors import ConfigError
+from common.run_layout import LOCK_FILE, has_checkpoints
 
 
 def _try_lock(path: Path) -> IO[str] | None:

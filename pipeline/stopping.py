@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-from pipeline.checkpoint import HEARTBEAT_FILE, has_checkpoints, latest_tag
+from common.run_layout import HEARTBEAT_FILE, has_checkpoints, latest_tag
 from pipeline.checkpoint_saving import remove_uncommitted
 from pipeline.rundir import RunDirectory
 from pipeline.watchdog import Watchdog

@@ -21,7 +21,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import TIME_BREAKDOWN_FILE
+from common.run_layout import TIME_BREAKDOWN_FILE
 from pipeline.deepspeed_internals import wrap_instructions
 from pipeline.logs import MetricsLog
 

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,34 +20,25 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
+from common.errors import exit_on_config_error
+from common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag, schedule_step
 from corpus.batches import (
     MicroBatch,
     MicroBatches,
     ParallelCorpus,
 )
-from corpus.prepared import PreparedData
-from model.config import exit_on_config_error
+from corpus.prepared import PreparedData, write_dictionaries
 from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
-from model.norms import build_scheme
+from model.norms import ScheduleHook, build_scheme
 from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin, checkpoint_saving
-from pipeline.checkpoint import (
-    CONFIG_HISTORY,
-    GRAD_NORMS_FILE,
-    METRICS_FILE,
-    checkpoint_dir,
-    latest_tag,
-    schedule_step,
-    write_dictionaries,
-)
 from pipeline.config import RunConfig
 from pipeline.config_history import record_config
 from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
 from pipeline.deepspeed_values import precision_warning
 from pipeline.distributed import init_distributed
 from pipeline.dropout_masks import DropoutMasks
-from pipeline.hooks import ScheduleHook, StepHook
 from pipeline.layers import layer_specs
 from pipeline.logs import MetricsLog
 from pipeline.memory import current_bytes, report_peaks
@@ -250,7 +242,7 @@ def run(
     """The training loop, from the engine's step to train.max_steps: steps, logs, validation, checkpoints."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     scheme = build_scheme(cfg.model)
-    hooks: list[StepHook] = [ScheduleHook(engine.module)]
+    hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
     data = MicroBatches(
         corpus,
         cfg.batch_size,

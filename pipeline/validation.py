@@ -10,11 +10,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from common.heap import heap_for_decoding
+from common.run_layout import TRANSLATIONS, linked_best, model_states
 from corpus.batches import MicroBatch, eval_batches
-from pipeline.checkpoint import TRANSLATIONS, linked_best, model_states
 from pipeline.config import RunConfig, build_corpus
 from pipeline.decode import bleu_set, valid_bleu
-from pipeline.heap import heap_for_decoding
 from pipeline.watchdog import Watchdog
 
 

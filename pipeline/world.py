@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from model.config import ConfigError
+from common.errors import ConfigError
 
 # deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
 # then Open MPI's mpirun, MPICH and Intel MPI (Hydra), MVAPICH2.

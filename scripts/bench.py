@@ -22,10 +22,10 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from model.config import ModelConfig, exit_on_config_error
+from common.errors import exit_on_config_error
+from common.files import check_writable_file, write_atomic
+from model.config import ModelConfig
 from pipeline.deepspeed_values import native_bf16_cpu
-from pipeline.durable import write_atomic
-from pipeline.staging import check_writable_file
 from pipeline.world import run_launched
 from tools.bench import PRECISIONS, Bench, Result, check, matmul_peak, run, synthetic_batch, with_peak
 from tools.stage_balance import StageTime, stage_times

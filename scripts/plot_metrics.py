@@ -6,11 +6,10 @@ import argparse
 import io
 from pathlib import Path
 
-from model.config import ConfigError, exit_on_config_error
-from pipeline.checkpoint import METRICS_FILE
-from pipeline.durable import write_atomic
-from pipeline.logs import read_jsonl
-from pipeline.staging import check_writable_file
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_writable_file, write_atomic
+from common.jsonl import read_jsonl
+from common.run_layout import METRICS_FILE
 from tools.figures import pyplot
 
 

@@ -3,20 +3,15 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:
@@ -107,7 +102,7 @@ def logged_steps(save_dir: Path) -> list[dict]:
 
 def final_layers(save_dir: Path) -> dict[str, dict]:
     """The layer files of the latest checkpoint, by file name."""
-    from pipeline.checkpoint import load_file
+    from common.run_layout import load_file
 
     tag = save_dir / (save_dir / "latest").read_text().strip()
     return {path.name: load_file(path) for path in sorted(tag.glob("layer_*-model_states.pt"))}
@@ -133,7 +128,8 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
 
     import torch
 
-    from pipeline.checkpoint import layer_file, saved_layers
+    from common.run_layout import layer_file
+    from model.trained import saved_layers
 
     checkpoint = save_dir / f"global_step{step}"
     checkpoint.mkdir(parents=True)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from common.errors import ConfigError
 from model.admin import admin_residuals, apply_omegas, load_profile, omegas_from, profile, save_profile, sublayers
-from model.config import ConfigError
 from model.layers import key_mask
 from model.transformer import Transformer
 from tests.test_norms import config

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.run_layout import LOCK_FILE, global_step, layer_file, load_file
 from convert.average import main
 from model import Transformer
 from model.config import ModelConfig
 from model.norms import BranchScaled
 from model.parts import saved_names
+from model.trained import load_reference
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import LOCK_FILE, global_step, layer_file, load_file, load_reference
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
          "src_vocab_size": 12, "tgt_vocab_size": 12, "norm_scheme": "branchnorm", "branchnorm": {"T": 100}}  # fmt: skip

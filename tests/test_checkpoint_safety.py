@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.errors import ConfigError
+from common.jsonl import read_jsonl
+from common.run_layout import deepspeed_state_types, file_damage, linked_best, load_file, read_manifest
 from corpus.prepared import BinarizedCorpus
-from model.config import ConfigError
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import deepspeed_state_types, file_damage, linked_best, load_file, read_manifest
-from pipeline.logs import read_jsonl
 from pipeline.rundir import RunDirectory
 from pipeline.train import main
 from tests.conftest import ROOT, assert_same_training, edit_prepared, launch

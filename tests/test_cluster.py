@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, assert_same_training, final_layers, free_port, logged_steps
+from common.ports import free_port
+from tests.conftest import ROOT, assert_same_training, final_layers, logged_steps
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from model.config import ConfigError, ModelConfig
+from common.errors import ConfigError
+from model.config import ModelConfig
 from model.layers import compile_layers
 from model.transformer import Transformer
 from pipeline import preflight

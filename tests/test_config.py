@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from corpus.prepared import META_FILE
+from common.run_layout import LATEST, META_FILE
 from pipeline import deepspeed_values
-from pipeline.checkpoint import LATEST
 from pipeline.config import load_config
 from pipeline.rundir import RunDirectory
 from pipeline.train import main

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from common.ports import free_port
+from common.run_layout import file_damage, latest_tag, linked_best, read_manifest, tag_step
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import file_damage, latest_tag, linked_best, read_manifest, tag_step
-from tests.conftest import ROOT, assert_same_training, free_port, launch
+from tests.conftest import ROOT, assert_same_training, launch
 
 pytestmark = pytest.mark.slow
 

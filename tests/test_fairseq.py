@@ -17,7 +17,7 @@ from corpus.batches import collate
 from corpus.prepared import BinarizedCorpus
 from model.fold import fold_model
 from model.norms import SCHEMES
-from pipeline.checkpoint import load_reference
+from model.trained import load_reference
 from tests.conftest import ROOT, edit_prepared, launch
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]  # the registry's

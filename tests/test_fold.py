@@ -5,12 +5,13 @@ import dataclasses
 import pytest
 import torch
 
+from common.errors import ConfigError
 from model import SCHEMES, ModelConfig
-from model.config import PAD, ConfigError
+from model.config import PAD
 from model.embedding import Embedding, sinusoidal_table
 from model.fold import fold_model
+from model.norms import ScheduleHook
 from model.transformer import Transformer
-from pipeline.hooks import ScheduleHook
 
 EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]
 FOLDED = [name for name in EXPORTABLE if SCHEMES[name].plain != name]  # whose scalings export folds away

@@ -16,7 +16,7 @@ FREED_AND_HELD = textwrap.dedent(
     """
     import sys
     import torch
-    from pipeline.heap import heap_for_decoding, set_training_heap
+    from common.heap import heap_for_decoding, set_training_heap
 
     def resident_mib():
         with open("/proc/self/statm") as statm:

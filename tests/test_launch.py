@@ -7,7 +7,7 @@ import sys
 import pytest
 from deepspeed.launcher import runner
 
-from model.config import REPORTER_GRACE_S, ConfigError
+from common.errors import REPORTER_GRACE_S, ConfigError
 from pipeline import launch
 from pipeline.train import main as train_main
 from pipeline.world import World, check_mpi_discovery, cpu_threads, launched_world
@@ -173,7 +173,7 @@ def under_mpirun(monkeypatch):
 def test_train_checks_the_mpi_world_before_starting(capsys, config, under_mpirun, monkeypatch):
     """Rank 0 reports at once; another rank first waits for rank 0's exit to end the job."""
     waits = []
-    monkeypatch.setattr("model.config.time.sleep", waits.append)
+    monkeypatch.setattr("common.errors.time.sleep", waits.append)
     for rank, waited in ((0, []), (1, [REPORTER_GRACE_S])):
         under_mpirun(rank)
         waits.clear()

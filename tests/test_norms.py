@@ -7,12 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.errors import ConfigError
 from model import SCHEMES, ModelConfig
-from model.config import ConfigError
 from model.layers import DecoderLayer, EncoderLayer
-from model.norms import branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
+from model.norms import ScheduleHook, branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
-from pipeline.hooks import ScheduleHook
 
 
 def config(scheme: str, **kw) -> ModelConfig:

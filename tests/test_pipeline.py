@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.run_layout import PROFILE_FILE
 from corpus.batches import MicroBatches, eval_batches, with_eos
 from model import SCHEMES
-from model.admin import PROFILE_FILE, admin_residuals, apply_omegas, omegas_from, profile
+from model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
+from model.norms import ScheduleHook
 from model.parts import TRANSFORMER_LAYERS, model_parts
 from model.search import beam_search
-from pipeline.checkpoint import load_reference, model_config
+from model.trained import load_reference, model_config
 from pipeline.config import build_corpus, load_config, resolve_run
-from pipeline.hooks import ScheduleHook
 from pipeline.partition import stage_bounds
 from pipeline.train import profile_batch
 from tests.conftest import ROOT, launch

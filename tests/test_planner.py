@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.checkpoint import MEMORY_FILE
+from common.run_layout import MEMORY_FILE
 from pipeline.config import load_config
 from tests.conftest import ROOT, launch
 from tools import planner

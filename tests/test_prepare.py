@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.errors import ConfigError
 from corpus import prepare
 from corpus.prepare import main as prepare_main
 from corpus.prepared import BinarizedCorpus, ShardedCorpus
-from model.config import ConfigError
 from pipeline.config import load_config
 from pipeline.train import main as train_main
 from tests.conftest import ROOT, write_slice

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.run_layout import deepspeed_state_types, load_file, read_manifest
 from pipeline import checkpoint_saving
-from pipeline.checkpoint import deepspeed_state_types, load_file, read_manifest
 from pipeline.reshape import OPTIMIZER_FILE, UNIVERSAL
 from tests.conftest import ROOT, launch, launch_env, launcher_command, logged_steps
 

@@ -11,8 +11,8 @@ from corpus.batches import collate
 from model import SCHEMES, ModelConfig, Transformer
 from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
+from model.norms import ScheduleHook
 from model.search import ModelDecoder, beam_search, search
-from pipeline.hooks import ScheduleHook
 from tests.reference_search import full_recompute_search
 
 

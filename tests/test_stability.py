@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
+from common.errors import ConfigError
+from common.run_layout import GRAD_NORMS_FILE
 from corpus.batches import MicroBatches
-from model.config import ConfigError
 from model.loss import label_smoothed_cross_entropy
 from model.parts import module_names, saved_names
-from pipeline.checkpoint import GRAD_NORMS_FILE, load_reference
+from model.trained import load_reference
 from pipeline.config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
 from pipeline.stability import NONFINITE_EXIT, describe

@@ -1,7 +1,7 @@
 """train.time_breakdown: each pipeline instruction's time per step and rank, logged and summed up."""
 
-from pipeline.checkpoint import TIME_BREAKDOWN_FILE
-from pipeline.logs import read_jsonl
+from common.jsonl import read_jsonl
+from common.run_layout import TIME_BREAKDOWN_FILE
 from tests.conftest import ROOT, launch
 
 STEPS = 5

@@ -291,7 +291,7 @@ def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path
     output renamed each other's file away (FileNotFoundError), e.g. two runs decoding into one file."""
     output, start = tmp_path / "out.txt", time.time() + 8  # both writing at once, once imported
     code = (
-        "import sys, time; from pathlib import Path; from pipeline.durable import write_atomic\n"
+        "import sys, time; from pathlib import Path; from common.files import write_atomic\n"
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
         "while time.time() < float(sys.argv[3]) + 2: write_atomic(Path(sys.argv[1]), sys.argv[2] * 20000)"
     )

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from model.config import ConfigError
-from pipeline.checkpoint import HEARTBEAT_FILE
+from common.errors import ConfigError
+from common.run_layout import HEARTBEAT_FILE
 from pipeline.config import load_config
 from pipeline.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
 from tests.conftest import ROOT, launch_env, launcher_command

@@ -12,7 +12,8 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from model.config import NUM_SPECIAL, ConfigError
+from common.errors import ConfigError
+from model.config import NUM_SPECIAL
 from model.loss import label_smoothed_cross_entropy
 from model.parts import TRANSFORMER_LAYERS, Part, model_parts
 from pipeline.config import RunConfig

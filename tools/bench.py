@@ -20,7 +20,6 @@ import gc
 import io
 import itertools
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -32,8 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.errors import ConfigError
+from common.ports import free_port
 from corpus.batches import MicroBatch, collate
-from model.config import NUM_SPECIAL, ConfigError, ModelConfig
+from model.config import NUM_SPECIAL, ModelConfig
 from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
@@ -177,12 +178,6 @@ def torchscale_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> 
     (src_tokens, prev_output_tokens), _ = batch
     model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2).to(dtype).train()
     yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_single_process() -> None:

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import psutil
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_makeable, check_writable_file
+from common.run_layout import META_FILE
 from corpus.prepare import SPM_SAMPLE
-from corpus.prepared import META_FILE
 from corpus.subwords import TRAINING_THREADS
 from corpus.text import read_lines
-from model.config import ConfigError, exit_on_config_error
-from pipeline.staging import check_makeable, check_writable_file
 from tools.bench_translate import FAIRSEQ_ENV
 from tools.standin_corpus import MULTI30K, write_standin
 

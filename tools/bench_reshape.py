@@ -16,7 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
-from pipeline.checkpoint import latest_tag
+from common.run_layout import latest_tag
 from pipeline.reshape import converter_command, universal_tag
 from tools.bench_prepare import Measured, cpu, mib, run_sampled
 

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_writable_file
+from common.heap import decoding_env, keep_freed_blocks
 from convert.to_fairseq import main as export_main
 from corpus.prepared import BinarizedCorpus
-from model.config import ConfigError, exit_on_config_error
-from pipeline.heap import decoding_env, keep_freed_blocks
-from pipeline.staging import check_writable_file
 from translation.translate import Translator, add_model_args
 
 SYSTEMS = ("incremental", "full", "fairseq")

@@ -22,9 +22,10 @@ import torch
 from deepspeed.runtime import lr_schedules
 from torch import nn
 
+from common.errors import ConfigError, exit_on_config_error
 from corpus.batches import MicroBatches, collate
 from model import Transformer
-from model.config import PAD, ConfigError, exit_on_config_error
+from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
 from pipeline.config import RunConfig, build_corpus, resolve_run
 from tools.source_use import nll, with_shuffled_sources

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model.config import ConfigError
+from common.errors import ConfigError
 
 
 def pyplot(what: str) -> ModuleType:

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.config import ConfigError, exit_on_config_error
-from pipeline.checkpoint import MEMORY_FILE
+from common.errors import ConfigError, exit_on_config_error
+from common.run_layout import MEMORY_FILE
 from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.memory import GiB, MeasuredPeak
 from pipeline.partition import stage_bounds

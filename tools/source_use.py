@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from corpus.batches import collate
 from corpus.prepared import BinarizedCorpus
 from model.config import EOS, PAD
-from pipeline.checkpoint import load_reference
+from model.trained import load_reference
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids
 

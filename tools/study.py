@@ -16,23 +16,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from corpus.prepared import META_FILE, BinarizedCorpus
-from model.config import ConfigError, exit_on_config_error
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_makeable, write_atomic
+from common.jsonl import read_jsonl
+from common.ports import free_port
+from common.run_layout import CONFIG_FILE, META_FILE, METRICS_FILE, latest_tag
+from corpus.prepared import BinarizedCorpus
 from model.norms import SCHEMES
-from pipeline.checkpoint import CONFIG_FILE, METRICS_FILE, latest_tag
 from pipeline.config import RunConfig, read_json, with_vocab
 from pipeline.config_history import flat, read_back
-from pipeline.durable import write_atomic
-from pipeline.logs import read_jsonl
 from pipeline.stability import NONFINITE_EXIT
-from pipeline.staging import check_makeable
 from tools.bench_prepare import cpu
 from tools.figures import pyplot
 from tools.source_use import unigram_nll, valid_nlls
@@ -63,12 +62,6 @@ def command(spec: StudySpec, cell: Cell, cfg: RunConfig, port: int) -> list[str]
         "--master_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config),
         "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:

@@ -18,7 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from model.config import ConfigError, parse_section
+from common.errors import ConfigError
+from model.config import parse_section
 from pipeline import checkpoint_saving
 from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
 

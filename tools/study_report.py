@@ -18,10 +18,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from pipeline.checkpoint import GRAD_NORMS_FILE
+from common.files import write_atomic
+from common.jsonl import read_jsonl
+from common.run_layout import GRAD_NORMS_FILE
 from pipeline.config import RunConfig
-from pipeline.durable import write_atomic
-from pipeline.logs import read_jsonl
 from tools.figures import pyplot
 from tools.study import cell_records, read_baseline, read_cell, read_sittings
 from tools.study_grid import (

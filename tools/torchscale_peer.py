@@ -9,7 +9,8 @@ import types
 import torch
 from torch import nn
 
-from model.config import PAD, ConfigError, ModelConfig
+from common.errors import ConfigError
+from model.config import PAD, ModelConfig
 from model.embedding import sinusoidal_table
 
 # Our schemes that torchscale implements, as its config flags. torchscale's default is Sub-LN, so

@@ -16,12 +16,11 @@ from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from common.errors import exit_on_config_error
+from common.files import check_writable_file, write_atomic
+from common.heap import keep_freed_blocks
 from corpus.prepared import BinarizedCorpus
 from corpus.text import read_lines
-from model.config import exit_on_config_error
-from pipeline.durable import write_atomic
-from pipeline.heap import keep_freed_blocks
-from pipeline.staging import check_writable_file
 from translation.translate import Translator, add_model_args
 
 

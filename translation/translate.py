@@ -23,16 +23,15 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
+from common.errors import ConfigError, exit_on_config_error
+from common.files import check_writable_file, write_atomic
+from common.heap import keep_freed_blocks
 from corpus.batches import length_batches, with_eos
-from corpus.prepared import PreparedData
+from corpus.prepared import PreparedData, check_vocab
 from corpus.text import decode_lines, read_lines
-from model.config import ConfigError, exit_on_config_error
 from model.search import Hypothesis, beam_search
+from model.trained import load_reference
 from model.transformer import Transformer
-from pipeline.checkpoint import check_vocab, load_reference
-from pipeline.durable import write_atomic
-from pipeline.heap import keep_freed_blocks
-from pipeline.staging import check_writable_file
 
 SearchFn = Callable[..., list[Hypothesis]]
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -16,16 +16,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from common.run_layout import CONFIG_FILE
 from corpus.batches import MicroBatches
-from model.norms import build_scheme
+from model.norms import ScheduleHook, build_scheme
 from model.parts import DecoderLayerPipe, EncoderLayerPipe
 from pipeline import admin
-from pipeline.checkpoint import CONFIG_FILE
 from pipeline.config import ValidBleu, build_corpus, resolve_run
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.distributed import init_distributed
-from pipeline.hooks import ScheduleHook
 from pipeline.train import build_engine, profile_batch
 from pipeline.world import run_launched
 

@@ -1,17 +1,93 @@
-"""Output directories that appear complete or not at all."""
+"""Files and directories that are whole once written, or never appear: a crash, a full disk or a closed
+pipe leaves the old file or a one-line error naming the file, never a partial file that loads as
+garbage; and the checks that an output can be written, before the work that produces it."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, BinaryIO
 
-from corpus.prepared import META_FILE
-from model.config import ConfigError
-from pipeline.checkpoint import CONFIG_FILE, LATEST, MODEL_STATES
+import torch
+
+from common.errors import ConfigError
+from common.run_layout import LATEST, META_FILE, MODEL_STATES, is_run
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def unique_sibling(path: Path) -> Path:
+    """A hidden name beside `path` that no other writer picks: two processes writing one output at once
+    each rename their own complete file into place, instead of one renaming the other's away."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Readers see the old content or the new, never a partial file, whenever the writer dies. A link's
+    target is replaced, not the link; a device or pipe (--output /dev/stdout) is written in place."""
+    try:
+        mode = "wb" if isinstance(text, bytes) else "w"
+        if path.exists() and not path.is_file():
+            with open(path, mode) as f:
+                f.write(text)
+            return
+        path = Path(os.path.realpath(path))
+        tmp = unique_sibling(path)
+        try:
+            with open(tmp, mode.replace("w", "x")) as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:  # a full disk leaves no temporary file behind
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+    except OSError as err:  # a failed write or close names no file
+        raise OSError(err.errno, err.strerror, str(path)) from None
+
+
+class ErrorKeepingWriter:
+    """A file for torch.save that keeps the OSError of a failed write: torch's zip writer reports a full
+    disk as a RuntimeError about a file position, without the system's reason or the file's name."""
+
+    def __init__(self, file: BinaryIO, path: str | Path) -> None:
+        self.file, self.path = file, str(path)
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = OSError(err.errno, err.strerror, self.path)
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) -> None:
+    """torch.save, then fsync: on disk once this returns. A write that fails (a full disk) raises the
+    system's OSError naming the file."""
+    with open(path, "wb") as f:
+        writer = ErrorKeepingWriter(f, path)
+        try:
+            torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+        os.fsync(f.fileno())
 
 
 def check_makeable(out: Path, name: str) -> None:
@@ -92,10 +168,6 @@ def check_not_fathoms(target: Path, name: str) -> None:
         and (target.suffix in (".json", ".jsonl", ".pt", ".py") or target.name == LATEST)
     ):
         raise ConfigError(f"{name}: would replace the training run's {target.name}; choose another file")
-
-
-def is_run(folder: Path) -> bool:
-    return (folder / CONFIG_FILE).exists() and (folder / LATEST).exists()
 
 
 def check_output_dir(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:

@@ -1,16 +1,17 @@
-"""A run directory's layout (the names of everything a run keeps in SAVE_DIR, its tags, `latest` and
-`best`), and reading DeepSpeed pipeline checkpoints back into the single-process Transformer.
+"""The layout of a run directory (train.save_dir) and of its checkpoints, owned here and nowhere else:
+the names of everything a run keeps, the tags (`global_stepN`, `best_global_stepN`, `avg_*`), `latest`
+and `best`, the manifest that commits a checkpoint, and which tags are committed. Saving
+(pipeline/checkpoint/saving.py), resuming, averaging and reading all go through it.
 
-A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in
-the spec list (layer_07-..., layer_123-...; tied re-uses have none); model.parts.saved_names
-says which module of the reference model each file belongs to. Reading weights needs no DeepSpeed
-(translation and export run without it); only DeepSpeed's own state files name its classes.
+A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in the spec
+list (layer_07-..., layer_123-...; tied re-uses have none); model.parts.saved_names says which module
+of the single-process model each file belongs to. Reading needs no DeepSpeed (translation and export
+run without it); only DeepSpeed's own state files name its classes.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import os
 import pickle
@@ -21,19 +22,13 @@ from typing import Any
 
 import torch
 
-from corpus.prepared import PreparedData
-from model.admin import PROFILE_FILE
-from model.config import ConfigError, ModelConfig
-from model.parts import saved_names
-from model.transformer import Transformer
-from pipeline.durable import write_atomic
-from pipeline.hooks import ScheduleHook
+from common.errors import ConfigError
 
 # What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
 CONFIG_FILE = "config.json"  # the config of the latest launch
-CONFIG_HISTORY = "config_history.jsonl"  # each stretch's config (pipeline/config_history.py)
+CONFIG_HISTORY = "config_history.jsonl"  # each stretch's config (pipeline/config/history.py)
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
-BEST = "best"  # the link to the checkpoint that scored best on validation (pipeline/checkpoint_saving.py)
+BEST = "best"  # the link to the checkpoint that scored best on validation
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
 # dictionaries would train or translate garbage without an error.
 DICTIONARIES_FILE = "dictionaries.json"
@@ -42,8 +37,9 @@ GRAD_NORMS_FILE = "grad_norms.jsonl"  # per-layer gradient norms (train.grad_nor
 TRANSLATIONS = "translations"  # the validation set's translations at each validation with train.valid_bleu
 TIME_BREAKDOWN_FILE = "time_breakdown.jsonl"  # train.time_breakdown
 MEMORY_FILE = "memory.json"  # each stage's peak memory
-HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # the hang watchdog's (pipeline/watchdog.py)
-LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/rundir.py)
+HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # the hang watchdog's (pipeline/safety/watchdog.py)
+LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/checkpoint/run_directory.py)
+PROFILE_FILE = "admin_profile.json"  # Admin's omegas, profiled at the run's start (pipeline/admin_profile.py)
 # Names tools write into a run by default: generate.py's hypotheses, plot_metrics.py's image.
 TOOL_OUTPUTS = ("generate-*.txt", "loss.png")
 RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, METRICS_FILE, GRAD_NORMS_FILE,
@@ -52,24 +48,27 @@ RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, MET
 
 # Inside a checkpoint tag
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
-MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint_saving.py)
-TRAINING_TAG = re.compile(rf"(?:{BEST}_)?global_step(\d+)")  # what training names its checkpoints
+MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint/saving.py)
+STEP_TAG = re.compile(r"global_step(\d+)")  # DeepSpeed's default tag, which training keeps
+TRAINING_TAG = re.compile(rf"(?:{BEST}_)?{STEP_TAG.pattern}")  # what training names its checkpoints
+
+# A prepared data directory's last-written file: its presence means the directory is complete.
+META_FILE = "meta.json"
+
+
+def step_tag(step: int) -> str:
+    """The tag of the checkpoint saved after `step` optimizer steps (DeepSpeed's own default)."""
+    return f"global_step{step}"
+
+
+def best_tag(step: int) -> str:
+    """The directory a best checkpoint is written to; the `best` link names the newest committed one."""
+    return f"{BEST}_{step_tag(step)}"
 
 
 def run_record(name: str) -> bool:
     """Whether `name` is, or matches, one a run keeps in SAVE_DIR beside its checkpoints."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_RECORDS)
-
-
-def model_config(save_dir: str | Path) -> ModelConfig:
-    path = Path(save_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{save_dir}: not a training directory (no {CONFIG_FILE}); pass train.save_dir of a run")
-    try:
-        return ModelConfig.from_dict(json.loads(path.read_text())["model"])
-    except (ValueError, KeyError, TypeError) as err:  # ConfigError is a ValueError: its line says more
-        detail = err if isinstance(err, ConfigError) else f"not a run's config ({type(err).__name__}: {err})"
-        raise ConfigError(f"{path}: {detail}; the run directory is damaged, restore config.json") from None
 
 
 def deepspeed_state_types() -> list[type]:
@@ -81,37 +80,6 @@ def deepspeed_state_types() -> list[type]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def dictionary_digests(corpus: PreparedData) -> dict[str, str]:
-    names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
-    return {name: hashlib.sha256((corpus.path / name).read_bytes()).hexdigest() for name in sorted(names)}
-
-
-def write_dictionaries(save_dir: str | Path, corpus: PreparedData) -> None:
-    text = json.dumps({"data": str(corpus.path), "sha256": dictionary_digests(corpus)}, indent=2)
-    write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
-
-
-def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData) -> None:
-    """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
-    (by content where the run recorded them, by size for older runs)."""
-    fix, data = "use the run's data directory", corpus.path
-    if (cfg.src_vocab_size, cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
-        raise ConfigError(
-            f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
-            f"trained with {cfg.src_vocab_size}/{cfg.tgt_vocab_size}; {fix}"
-        )
-    recorded = Path(save_dir) / DICTIONARIES_FILE
-    if not recorded.exists():
-        return
-    trained = json.loads(recorded.read_text())
-    for name, digest in dictionary_digests(corpus).items():
-        if trained["sha256"].get(name) != digest:
-            raise ConfigError(
-                f"{data}: {name} is not the dictionary the run in {save_dir} was trained with "
-                f"(that was {trained['data']}); {fix}"
-            )
 
 
 def latest_tag(save_dir: str | Path) -> str | None:
@@ -228,21 +196,6 @@ def layer_file(checkpoint: Path, index: int) -> Path:
     return checkpoint / f"layer_{index:02d}-model_states.pt"
 
 
-def saved_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
-    """(pipeline layer index, reference module name) of every layer file a checkpoint of this model has."""
-    return [(index, name) for index, name in enumerate(saved_names(cfg)) if name is not None]
-
-
-def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
-    """Fails on a checkpoint without a file for every layer that has parameters."""
-    names = [layer_file(checkpoint, index).name for index, _ in saved_layers(cfg)]
-    if missing := [name for name in names if not (checkpoint / name).exists()]:
-        raise ConfigError(
-            f"{checkpoint}: {len(missing)} of {len(names)} layer files missing (first {missing[0]}); "
-            "the checkpoint is incomplete or from another model"
-        )
-
-
 def model_states(checkpoint: Path) -> dict[str, Any] | None:
     """DeepSpeed's mp_rank_00_model_states.pt of a checkpoint (its step counters), None if absent."""
     path = checkpoint / MODEL_STATES
@@ -276,48 +229,37 @@ def schedule_step(checkpoint: Path) -> int:
     return int(states.get("schedule_step", states["global_steps"] - states.get("skipped_steps", 0)))
 
 
-# What must agree for one model's weights to load into another.
-SHAPE_KEYS = (
-    "encoder_layers",
-    "decoder_layers",
-    "embed_dim",
-    "ffn_dim",
-    "attention_heads",
-    "src_vocab_size",
-    "tgt_vocab_size",
-    "share_all_embeddings",
-    "share_decoder_input_output_embed",
-    "learned_pos",
-    "norm_scheme",
-)
+def is_run(folder: Path) -> bool:
+    """Whether `folder` is a training run's SAVE_DIR."""
+    return (folder / CONFIG_FILE).exists() and (folder / LATEST).exists()
 
 
-def check_same_model(save_dir: str | Path, cfg: ModelConfig, option: str, fix: str) -> None:
-    """Fails in one line unless the run in save_dir trained the model `cfg` describes."""
-    source = model_config(save_dir)
-    for key in SHAPE_KEYS:
-        if getattr(source, key) != getattr(cfg, key):
-            raise ConfigError(
-                f"{option}: model.{key} is {getattr(source, key)} in {save_dir} but {getattr(cfg, key)} here; {fix}"
-            )
+def committed(checkpoint: Path, latest: int) -> bool:
+    """Whether a checkpoint is a finished save: any tag but a global_stepN is (averages, conversions and
+    best ones are staged whole); a global_stepN is once it has a manifest, or (runs from before manifests)
+    when its step is not past `latest`'s, which a save moves last."""
+    match = STEP_TAG.fullmatch(checkpoint.name)
+    return match is None or read_manifest(checkpoint) is not None or int(match[1]) <= latest
 
 
-def check_init_from(save_dir: str | Path, cfg: ModelConfig) -> Path:
-    """The checkpoint train.init_from names, checked against the run's model; fails in one line."""
-    check_same_model(save_dir, cfg, "train.init_from", "the model section must describe the same model")
-    checkpoint = checkpoint_dir(save_dir)
-    missing_layer_files(cfg, checkpoint)
-    return checkpoint
+def committed_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:
+    """(N, directory) of the committed global_stepN checkpoints, by N."""
+    latest = latest_step(save_dir)
+    return sorted(
+        (int(match[1]), path)
+        for path in save_dir.iterdir()
+        if (match := STEP_TAG.fullmatch(path.name)) and path.is_dir() and not path.is_symlink()
+        if committed(path, latest)
+    )
 
 
-def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
-    """The single-process model with the weights of a pipeline checkpoint of any depth and stage count,
-    and its step-dependent values (BranchNorm's alpha) at the checkpoint's step."""
-    cfg = model_config(save_dir)
-    checkpoint = checkpoint_dir(save_dir, tag)
-    model = Transformer(cfg)
-    for index, name in saved_layers(cfg):
-        state = load_file(layer_file(checkpoint, index))
-        model.get_submodule(name).load_state_dict(state)
-    ScheduleHook(model)(schedule_step(checkpoint))
-    return model.eval()
+def leftovers(save_dir: Path) -> list[Path]:
+    """What crashed saves left: global_stepN tags that are not committed, and best checkpoints that
+    neither `best` nor `latest` names any more."""
+    kept, latest = {latest_tag(save_dir), linked_best(save_dir)}, latest_step(save_dir)
+    return [
+        path
+        for path in sorted(save_dir.glob("*global_step*"))
+        if path.is_dir() and not path.is_symlink() and tag_step(path.name) is not None and path.name not in kept
+        if path.name.startswith(f"{BEST}_") or not committed(path, latest)
+    ]

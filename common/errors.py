@@ -1,0 +1,54 @@
+"""The one-line error every user mistake ends in, and how a command-line entry point exits with it."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+
+class ConfigError(ValueError):
+    """A configuration mistake a user must fix; the message is one line naming key and fix."""
+
+
+# How long a rank that is not the reporter waits before exiting on a config error. The launcher kills
+# every rank as soon as one exits, so a quiet rank that exits first can kill the reporter before its
+# line is out; waiting lets the reporter's exit end the job. If the wait runs out, the error was this
+# rank's alone (a file only its node lacks) and it reports it itself.
+REPORTER_GRACE_S = 20.0
+
+
+@contextmanager
+def exit_on_config_error(report: bool = True) -> Iterator[None]:
+    """For command-line entry points: a ConfigError ends the process with its one line on stderr and
+    exit status 2; a file that cannot be read or written (a full disk, permissions) with the system's
+    line and exit status 1. With `report` false (every rank but the first) the process first waits
+    REPORTER_GRACE_S for the first rank to report the same error and end the job."""
+    try:
+        yield
+    except ConfigError as err:
+        _exit_with(str(err), 2, report)
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        _exit_with(f"{where}{err.strerror or err}", 1, report)
+
+
+def _exit_with(message: str, status: int, report: bool) -> None:
+    if not report:
+        time.sleep(REPORTER_GRACE_S)
+    print(f"fathom: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def unknown_key_error(key: str, known: Iterable[str]) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"{key}: unknown key; {hint}")
+
+
+def closest(key: str, known: set[str] | frozenset[str]) -> str:
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""

@@ -1,0 +1,87 @@
+"""A trained model from a run directory: its config, and its weights from a pipeline checkpoint of any
+depth and stage count, read with torch alone into the single-process Transformer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.errors import ConfigError
+from common.run_layout import CONFIG_FILE, checkpoint_dir, layer_file, load_file, schedule_step
+from model.config import ModelConfig
+from model.norms import ScheduleHook
+from model.parts import saved_names
+from model.transformer import Transformer
+
+
+def model_config(save_dir: str | Path) -> ModelConfig:
+    path = Path(save_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{save_dir}: not a training directory (no {CONFIG_FILE}); pass train.save_dir of a run")
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text())["model"])
+    except (ValueError, KeyError, TypeError) as err:  # ConfigError is a ValueError: its line says more
+        detail = err if isinstance(err, ConfigError) else f"not a run's config ({type(err).__name__}: {err})"
+        raise ConfigError(f"{path}: {detail}; the run directory is damaged, restore config.json") from None
+
+
+def saved_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """(pipeline layer index, reference module name) of every layer file a checkpoint of this model has."""
+    return [(index, name) for index, name in enumerate(saved_names(cfg)) if name is not None]
+
+
+def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
+    """Fails on a checkpoint without a file for every layer that has parameters."""
+    names = [layer_file(checkpoint, index).name for index, _ in saved_layers(cfg)]
+    if missing := [name for name in names if not (checkpoint / name).exists()]:
+        raise ConfigError(
+            f"{checkpoint}: {len(missing)} of {len(names)} layer files missing (first {missing[0]}); "
+            "the checkpoint is incomplete or from another model"
+        )
+
+
+# What must agree for one model's weights to load into another.
+SHAPE_KEYS = (
+    "encoder_layers",
+    "decoder_layers",
+    "embed_dim",
+    "ffn_dim",
+    "attention_heads",
+    "src_vocab_size",
+    "tgt_vocab_size",
+    "share_all_embeddings",
+    "share_decoder_input_output_embed",
+    "learned_pos",
+    "norm_scheme",
+)
+
+
+def check_same_model(save_dir: str | Path, cfg: ModelConfig, option: str, fix: str) -> None:
+    """Fails in one line unless the run in save_dir trained the model `cfg` describes."""
+    source = model_config(save_dir)
+    for key in SHAPE_KEYS:
+        if getattr(source, key) != getattr(cfg, key):
+            raise ConfigError(
+                f"{option}: model.{key} is {getattr(source, key)} in {save_dir} but {getattr(cfg, key)} here; {fix}"
+            )
+
+
+def check_init_from(save_dir: str | Path, cfg: ModelConfig) -> Path:
+    """The checkpoint train.init_from names, checked against the run's model; fails in one line."""
+    check_same_model(save_dir, cfg, "train.init_from", "the model section must describe the same model")
+    checkpoint = checkpoint_dir(save_dir)
+    missing_layer_files(cfg, checkpoint)
+    return checkpoint
+
+
+def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
+    """The single-process model with the weights of a pipeline checkpoint of any depth and stage count,
+    and its step-dependent values (BranchNorm's alpha) at the checkpoint's step."""
+    cfg = model_config(save_dir)
+    checkpoint = checkpoint_dir(save_dir, tag)
+    model = Transformer(cfg)
+    for index, name in saved_layers(cfg):
+        state = load_file(layer_file(checkpoint, index))
+        model.get_submodule(name).load_state_dict(state)
+    ScheduleHook(model)(schedule_step(checkpoint))
+    return model.eval()

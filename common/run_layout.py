@@ -84,7 +84,7 @@ def deepspeed_state_types() -> list[type]:
 
 def latest_tag(save_dir: str | Path) -> str | None:
     """The tag `latest` names: the newest complete checkpoint, a global_stepN or a best_global_stepN
-    (pipeline/checkpoint_saving.py moves it on every save)."""
+    (pipeline/checkpoint/saving.py moves it on every save)."""
     path = Path(save_dir) / LATEST
     return path.read_text().strip() if path.exists() else None
 

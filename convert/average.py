@@ -28,7 +28,7 @@ The tag is written to a hidden directory inside SAVE_DIR and renamed into place 
 error leaves nothing behind. An existing TAG is refused unless --force, which replaces only an
 earlier average; so are the names a run keeps for its checkpoints and records, written or not yet
 (global_step*, best*, latest, metrics.jsonl, grad_norms.jsonl, translations, ...: RUN_RECORDS in
-pipeline/checkpoint.py).
+common/run_layout.py).
 """
 
 from __future__ import annotations

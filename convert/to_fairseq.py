@@ -34,7 +34,7 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import check_output_dir, save_file, staged
 from common.run_layout import checkpoint_dir, layer_file, load_file, schedule_step
 from corpus.batches import collate
-from corpus.prepared import BinarizedCorpus, check_vocab
+from corpus.dataset import BinarizedCorpus, check_vocab
 from model.config import PAD, ModelConfig
 from model.fold import folded
 from model.norms import SCHEMES, ScheduleHook, build_scheme

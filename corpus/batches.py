@@ -2,7 +2,7 @@
 
 A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eos), `lengths()`
 and the two vocabulary sizes: the built-in synthetic task here, or a binarized real corpus
-(corpus/prepared.py).
+(corpus/dataset.py).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from common.files import check_output_dir, staged
 from common.run_layout import META_FILE
 from corpus import subwords
 from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Filters, Workers, encode_chunk, id_dtype, remap
-from corpus.prepared import Dictionary, PreparedData, file_record
+from corpus.dataset import Dictionary, PreparedData, file_record
 from corpus.text import decode_line, find_file, raw_lines
 from model.config import UNK
 

@@ -100,22 +100,6 @@ class ModelConfig:
     src_vocab_size: int | None = None
     tgt_vocab_size: int | None = None
 
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "model") -> ModelConfig:
-        """Parses the `model` section; keys named after a registered scheme hold its options."""
-        from model.norms import SCHEMES, build_scheme
-
-        if not isinstance(data, dict):
-            raise ConfigError(f"{where}: expected an object, got {data!r}")
-        plain = {k: v for k, v in data.items() if k not in SCHEMES}
-        schemes = {k: v for k, v in data.items() if k in SCHEMES}
-        cfg = parse_section(cls, plain, where)
-        cfg.schemes = {**cfg.schemes, **schemes}
-        build_scheme(cfg)  # rejects an unknown scheme now, before any process trains
-        for name in schemes:  # and bad options of any scheme the file mentions
-            SCHEMES[name](cfg)
-        return cfg
-
     def __post_init__(self) -> None:
         for key in ("encoder_layers", "decoder_layers", "embed_dim", "ffn_dim", "attention_heads"):
             if getattr(self, key) < 1:

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -121,6 +121,22 @@ SCHEMES: dict[str, type[NormScheme]] = {}
 def register(cls: type[NormScheme]) -> type[NormScheme]:
     SCHEMES[cls.name] = cls
     return cls
+
+
+def parse_model(data: Any, where: str = "model") -> ModelConfig:
+    """The `model` section: ModelConfig's keys, and under a registered scheme's name that scheme's
+    options (`model.<scheme>.<option>`). The scheme and the options of every scheme the section names are
+    checked now, before any process trains."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected an object, got {data!r}")
+    plain = {k: v for k, v in data.items() if k not in SCHEMES}
+    schemes = {k: v for k, v in data.items() if k in SCHEMES}
+    cfg = parse_section(ModelConfig, plain, where)
+    cfg.schemes = {**cfg.schemes, **schemes}
+    build_scheme(cfg)
+    for name in schemes:
+        SCHEMES[name](cfg)
+    return cfg
 
 
 def build_scheme(cfg: ModelConfig) -> NormScheme:

@@ -1,7 +1,7 @@
 """The model's parts, written down once: their fairseq names, classes, arguments and shared tables.
 
 Everything that builds or names the model derives from `model_parts`: the single-process
-Transformer (model/transformer.py), the pipeline's LayerSpecs (pipeline/layers.py), the names of a
+Transformer (model/transformer.py), the pipeline's LayerSpecs (pipeline/specs.py), the names of a
 checkpoint's layer files, export and the memory planner. Nothing here imports DeepSpeed.
 
 Each part also has a flat form, the class the pipeline builds: a subclass of the plain layer whose

@@ -9,7 +9,7 @@ from pathlib import Path
 from common.errors import ConfigError
 from common.run_layout import CONFIG_FILE, checkpoint_dir, layer_file, load_file, schedule_step
 from model.config import ModelConfig
-from model.norms import ScheduleHook
+from model.norms import ScheduleHook, parse_model
 from model.parts import saved_names
 from model.transformer import Transformer
 
@@ -19,7 +19,7 @@ def model_config(save_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{save_dir}: not a training directory (no {CONFIG_FILE}); pass train.save_dir of a run")
     try:
-        return ModelConfig.from_dict(json.loads(path.read_text())["model"])
+        return parse_model(json.loads(path.read_text())["model"])
     except (ValueError, KeyError, TypeError) as err:  # ConfigError is a ValueError: its line says more
         detail = err if isinstance(err, ConfigError) else f"not a run's config ({type(err).__name__}: {err})"
         raise ConfigError(f"{path}: {detail}; the run directory is damaged, restore config.json") from None

@@ -31,14 +31,14 @@ from torch import nn
 
 from common.files import write_atomic
 from corpus.batches import ParallelCorpus, length_batches, with_eos
-from corpus.prepared import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
 from model.cache import DecoderCache
 from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer
 from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
-from pipeline.config import ValidBleu
+from pipeline.config.run_config import ValidBleu
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

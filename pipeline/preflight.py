@@ -12,9 +12,10 @@ from common.run_layout import META_FILE, has_checkpoints
 from corpus.batches import ParallelCorpus, check_budget
 from model.layers import compiler_missing
 from model.trained import check_init_from
-from pipeline import admin, checkpoint_saving
-from pipeline.config import RunConfig, build_corpus, resolve_run
-from pipeline.rundir import check_not_in_use
+from pipeline import admin_profile
+from pipeline.checkpoint import saving
+from pipeline.checkpoint.run_directory import check_not_in_use
+from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
@@ -34,7 +35,7 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     cfg, corpus = resolve_run(args.config, args.override, world_size, checksums)
     if cfg.train.compile and (missing := compiler_missing()):
         raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
-    admin.check(cfg.model)
+    admin_profile.check(cfg.model)
     check_fits(corpus, cfg)
     if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid", checksums)) == 0:
         raise ConfigError(
@@ -53,5 +54,5 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
             "or choose another save_dir"
         )
     if args.resume:
-        checkpoint_saving.check_resume(save_dir, cfg, corpus, world_size)
+        saving.check_resume(save_dir, cfg, corpus, world_size)
     return cfg, corpus

@@ -27,30 +27,30 @@ from corpus.batches import (
     MicroBatches,
     ParallelCorpus,
 )
-from corpus.prepared import PreparedData, write_dictionaries
+from corpus.dataset import PreparedData, write_dictionaries
 from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook, build_scheme
 from model.parts import TRANSFORMER_LAYERS
-from pipeline import admin, checkpoint_saving
-from pipeline.config import RunConfig
-from pipeline.config_history import record_config
+from pipeline import admin_profile
+from pipeline.checkpoint import saving
+from pipeline.checkpoint.run_directory import RunDirectory
+from pipeline.config.deepspeed_values import precision_warning
+from pipeline.config.history import record_config
+from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
-from pipeline.deepspeed_values import precision_warning
-from pipeline.distributed import init_distributed
 from pipeline.dropout_masks import DropoutMasks
-from pipeline.layers import layer_specs
-from pipeline.logs import MetricsLog
-from pipeline.memory import current_bytes, report_peaks
+from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
 from pipeline.partition import CostBalancedPipeline
 from pipeline.preflight import check_run
-from pipeline.rundir import RunDirectory
-from pipeline.stability import NonFiniteError, StabilityGuard, exit_on_nonfinite
-from pipeline.stopping import stop_on_signals
-from pipeline.time_breakdown import TimeBreakdown
+from pipeline.safety.divergence import NonFiniteError, StabilityGuard, exit_on_nonfinite
+from pipeline.safety.memory import current_bytes, report_peaks
+from pipeline.safety.metrics import MetricsLog
+from pipeline.safety.signals import stop_on_signals
+from pipeline.safety.time_breakdown import TimeBreakdown
+from pipeline.safety.watchdog import Watchdog
+from pipeline.specs import layer_specs
 from pipeline.validation import Best, Validation, validation_line
-from pipeline.watchdog import Watchdog
-from pipeline.world import check_mpi_discovery, launched_world
 
 SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
 
@@ -103,7 +103,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
     backward_in_one_call(engine)
-    checkpoint_saving.install(engine)
+    saving.install(engine)
     return engine
 
 
@@ -121,7 +121,7 @@ def apply_optimizer_settings(engine: deepspeed.PipelineEngine, ds: dict[str, Any
     would stay the checkpoint's, and their lr until the scheduler's first step, one step late."""
     params = ds.get("optimizer", {}).get("params", {})
     for group in engine.optimizer.param_groups:
-        for key in checkpoint_saving.HYPERPARAMETERS:
+        for key in saving.HYPERPARAMETERS:
             if key in params and key in group:
                 group[key] = tuple(params[key]) if isinstance(group[key], tuple) else params[key]
     if engine.lr_scheduler is not None:  # the rate of the iteration the checkpoint's scheduler is at
@@ -181,7 +181,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     client_state: dict[str, Any] = {}
     if resume and latest_tag(save_dir) is not None:
-        client_state = checkpoint_saving.load(engine, save_dir)
+        client_state = saving.load(engine, save_dir)
         apply_optimizer_settings(engine, cfg.deepspeed)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
@@ -193,7 +193,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
             write_dictionaries(save_dir, corpus)
     client_state.setdefault(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
-        checkpoint_saving.verify_contents(cfg.train.init_from, weights_only=True)
+        saving.verify_contents(cfg.train.init_from, weights_only=True)
         source = checkpoint_dir(cfg.train.init_from)
         load_weights(engine, source)
         init_step = cfg.train.init_step
@@ -202,7 +202,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
             print(f"fathom: initialized from {source}, schedules from step {client_state[SCHEDULE_OFFSET]}", flush=True)
     # A resumed or initialized run has its omegas in the checkpoint.
     if build_scheme(cfg.model).profiled and engine.global_steps == 0 and not cfg.train.init_from:
-        message = admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
+        message = admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         if rank == 0:
             print(f"fathom: {message}", flush=True)
     return client_state
@@ -302,10 +302,10 @@ def run(
                 print(validation_line(record, best), flush=True)
             if improved:
                 watchdog.progress(f"checkpoint save after step {done}")
-                checkpoint_saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
+                saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
         if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
             watchdog.progress(f"checkpoint save after step {done}")
-            checkpoint_saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+            saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
     if breakdown and rank == 0:
         print("\n".join(breakdown.summary()), flush=True)
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from common.heap import heap_for_decoding
 from common.run_layout import TRANSLATIONS, linked_best, model_states
 from corpus.batches import MicroBatch, eval_batches
-from pipeline.config import RunConfig, build_corpus
+from pipeline.config.run_config import RunConfig, build_corpus
 from pipeline.decode import bleu_set, valid_bleu
-from pipeline.watchdog import Watchdog
+from pipeline.safety.watchdog import Watchdog
 
 
 def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> float:

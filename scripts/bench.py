@@ -25,8 +25,8 @@ import torch
 from common.errors import exit_on_config_error
 from common.files import check_writable_file, write_atomic
 from model.config import ModelConfig
-from pipeline.deepspeed_values import native_bf16_cpu
-from pipeline.world import run_launched
+from pipeline.config.deepspeed_values import native_bf16_cpu
+from pipeline.launched import run_launched
 from tools.bench import PRECISIONS, Bench, Result, check, matmul_peak, run, synthetic_batch, with_peak
 from tools.stage_balance import StageTime, stage_times
 

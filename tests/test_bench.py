@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import ModelConfig, Transformer
 from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tools.bench import model_flops, synthetic_batch
 
 

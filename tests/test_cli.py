@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from model import SCHEMES, ModelConfig, Transformer
-from tests.conftest import ROOT, without_matplotlib, write_run
+from tests.helpers import ROOT, without_matplotlib, write_run
 from translation.generate import main as generate_main
 
 

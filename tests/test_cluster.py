@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.ports import free_port
-from tests.conftest import ROOT, assert_same_training, final_layers, logged_steps
+from tests.helpers import ROOT, assert_same_training, final_layers, logged_steps
 
 pytestmark = pytest.mark.slow
 

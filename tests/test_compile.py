@@ -12,7 +12,7 @@ from model.layers import compile_layers
 from model.transformer import Transformer
 from pipeline import preflight
 from pipeline.train import parse_args
-from tests.conftest import ROOT, final_layers, launch, logged_steps
+from tests.helpers import ROOT, final_layers, launch, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from common.run_layout import LATEST, META_FILE
-from pipeline import deepspeed_values
-from pipeline.config import load_config
-from pipeline.rundir import RunDirectory
+from pipeline.checkpoint.run_directory import RunDirectory
+from pipeline.config import deepspeed_values
+from pipeline.config.run_config import load_config
 from pipeline.train import main
-from tests.conftest import ROOT, launch
+from tests.helpers import ROOT, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 

@@ -16,8 +16,8 @@ import pytest
 
 from common.ports import free_port
 from common.run_layout import file_damage, latest_tag, linked_best, read_manifest, tag_step
-from pipeline import checkpoint_saving
-from tests.conftest import ROOT, assert_same_training, launch
+from pipeline.checkpoint import saving
+from tests.helpers import ROOT, assert_same_training, launch
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +64,9 @@ def steps_done(save_dir: Path) -> int:
 
 def assert_latest_whole(save_dir: Path) -> None:
     """What a resume would load: complete, every file at its saved size and checksum."""
-    committed = checkpoint_saving.committed_files(save_dir)
+    committed = saving.committed_files(save_dir)
     if committed is None:
-        assert checkpoint_saving.latest_tag(save_dir) is None
+        assert saving.latest_tag(save_dir) is None
         return
     checkpoint, manifest = committed
     assert manifest["step"] == tag_step(checkpoint.name)
@@ -106,7 +106,7 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
         for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             segment.unlink()  # a rank killed before it released its shm segment
     assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
-    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {checkpoint_saving.latest_tag(save_dir)}"
+    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {saving.latest_tag(save_dir)}"
 
 
 def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):

@@ -13,11 +13,11 @@ import pytest
 
 from common.errors import ConfigError
 from corpus.batches import BatchSize, MicroBatches, epoch_batches
+from corpus.dataset import BinarizedCorpus, Dictionary, file_record
 from corpus.prepare import main as prepare_main
-from corpus.prepared import BinarizedCorpus, Dictionary, file_record
 from model.config import EOS, NUM_SPECIAL, PAD
 from pipeline.train import main as train_main
-from tests.conftest import MULTI30K, ROOT, write_slice
+from tests.helpers import MULTI30K, ROOT, write_slice
 from translation.generate import main as generate_main
 
 

@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
 from model.config import ModelConfig
-from pipeline.config import DataConfig, RunConfig, TrainConfig
+from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,
     check_version,
@@ -30,9 +30,9 @@ from pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from pipeline.layers import layer_specs
+from pipeline.specs import layer_specs
 from pipeline.train import build_engine
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tools.bench import init_single_process, synthetic_batch
 
 
@@ -71,7 +71,7 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
     assert stage_range(engine.module) == range(layers)
     assert [index for _, index, _ in stage_layers(engine.module)] == list(range(layers))
     assert stage_bounds(engine.module) == [0, layers] and all(type(b) is int for b in stage_bounds(engine.module))
-    with universal_loading(engine):  # what a resume on another shape loads with (pipeline/reshape.py)
+    with universal_loading(engine):  # what a resume on another shape loads with (pipeline/checkpoint/reshape.py)
         assert engine.load_universal_checkpoint()
     assert not engine.load_universal_checkpoint()
     assert type(checkpoint_engine(engine)).__name__ == "CommittingCheckpointEngine"

@@ -14,11 +14,11 @@ import torch
 
 from convert import from_fairseq, to_fairseq
 from corpus.batches import collate
-from corpus.prepared import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus
 from model.fold import fold_model
 from model.norms import SCHEMES
 from model.trained import load_reference
-from tests.conftest import ROOT, edit_prepared, launch
+from tests.helpers import ROOT, edit_prepared, launch
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"

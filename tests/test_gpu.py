@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from model.parts import module_names
-from pipeline.config import resolve_run
-from pipeline.stability import NONFINITE_EXIT
-from tests.conftest import ROOT, launch
+from pipeline.config.run_config import resolve_run
+from pipeline.safety.divergence import NONFINITE_EXIT
+from tests.helpers import ROOT, launch
 from tests.test_stability import CONFIG, SMALL, WORKER, jsonl, same_state
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""train.cpu_heap: what glibc does with a CPU training process's freed tensors (pipeline/heap.py)."""
+"""train.cpu_heap: what glibc does with a CPU training process's freed tensors (common/heap.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 # Allocates 200 tensors of 1 MiB, frees them, and prints how much of that the process still holds;
 # a validation pass's decoding (heap_for_decoding) runs first, and must hand the training choice back.

@@ -9,9 +9,9 @@ from deepspeed.launcher import runner
 
 from common.errors import REPORTER_GRACE_S, ConfigError
 from pipeline import launch
+from pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world
 from pipeline.train import main as train_main
-from pipeline.world import World, check_mpi_discovery, cpu_threads, launched_world
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 

@@ -7,8 +7,8 @@ from deepspeed.runtime.utils import partition_balanced
 
 from model import ModelConfig
 from model.parts import TRANSFORMER_LAYERS, model_parts
-from pipeline.layers import layer_specs
 from pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
+from pipeline.specs import layer_specs
 
 
 def config(layers: int, dim: int, ffn: int, vocab: int, **kw) -> ModelConfig:

@@ -18,10 +18,10 @@ from model.norms import ScheduleHook
 from model.parts import TRANSFORMER_LAYERS, model_parts
 from model.search import beam_search
 from model.trained import load_reference, model_config
-from pipeline.config import build_corpus, load_config, resolve_run
+from pipeline.config.run_config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
 from pipeline.train import profile_batch
-from tests.conftest import ROOT, launch
+from tests.helpers import ROOT, launch
 from tests.workers.parity import SEARCH
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from common.run_layout import MEMORY_FILE
-from pipeline.config import load_config
-from tests.conftest import ROOT, launch
+from pipeline.config.run_config import load_config
+from tests.helpers import ROOT, launch
 from tools import planner
 from tools.activation_trace import trace_layers
 from tools.planner import (
@@ -151,7 +151,7 @@ def test_a_damaged_measured_record_is_one_line(tmp_path, capsys, record, message
 @pytest.mark.slow
 def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     """2 stages, ZeRO-1, activation checkpointing, fp32 on this CPU with train.cpu_heap=return: each rank's
-    peak resident memory above what it held before the model (pipeline/memory.py) against the planner's
+    peak resident memory above what it held before the model (pipeline/safety/memory.py) against the planner's
     stage peak."""
     overrides = [
         "model.encoder_layers=12", "model.decoder_layers=12", "model.embed_dim=256", "model.ffn_dim=1024",

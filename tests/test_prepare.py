@@ -11,11 +11,11 @@ import pytest
 
 from common.errors import ConfigError
 from corpus import prepare
+from corpus.dataset import BinarizedCorpus, ShardedCorpus
 from corpus.prepare import main as prepare_main
-from corpus.prepared import BinarizedCorpus, ShardedCorpus
-from pipeline.config import load_config
+from pipeline.config.run_config import load_config
 from pipeline.train import main as train_main
-from tests.conftest import ROOT, write_slice
+from tests.helpers import ROOT, write_slice
 from tools.standin_corpus import write_standin
 
 ARGS = ["--src", "de", "--tgt", "en"]

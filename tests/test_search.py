@@ -12,8 +12,8 @@ from model import SCHEMES, ModelConfig, Transformer
 from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook
+from model.reference_search import full_recompute_search
 from model.search import ModelDecoder, beam_search, search
-from tests.reference_search import full_recompute_search
 
 
 def tiny_model(seed=0, scheme="pre_ln", **kw) -> Transformer:

@@ -1,4 +1,4 @@
-"""Divergence handling (pipeline/stability.py): a non-finite loss or gradient is caught on its step,
+"""Divergence handling (pipeline/safety/divergence.py): a non-finite loss or gradient is caught on its step,
 named, and stops the run or is skipped; per-layer gradient norms. The slow tests inject faults into
 real 2-stage runs (tests/workers/faults.py) under the real launcher."""
 
@@ -15,10 +15,10 @@ from corpus.batches import MicroBatches
 from model.loss import label_smoothed_cross_entropy
 from model.parts import module_names, saved_names
 from model.trained import load_reference
-from pipeline.config import build_corpus, load_config, resolve_run
+from pipeline.config.run_config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
-from pipeline.stability import NONFINITE_EXIT, describe
-from tests.conftest import ROOT, launch
+from pipeline.safety.divergence import NONFINITE_EXIT, describe
+from tests.helpers import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "faults.py"
@@ -74,7 +74,7 @@ def model_config(overrides):
 
 
 def where(overrides, name):
-    """'stage S, layer L (name)' computed from the config, independently of pipeline/stability.py."""
+    """'stage S, layer L (name)' computed from the config, independently of pipeline/safety/divergence.py."""
     cfg = model_config(overrides)
     layer = module_names(cfg).index(name)
     return f"stage {bisect.bisect_right(stage_bounds(cfg, 2), layer) - 1}, layer {layer} ({name})"

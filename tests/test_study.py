@@ -11,11 +11,21 @@ import time
 
 import pytest
 
-from pipeline.config import load_config
-from tests.conftest import ROOT, without_matplotlib
-from tools.study import CELL_FILE, check, read_sittings
+from pipeline.config.run_config import load_config
+from tests.helpers import ROOT, without_matplotlib
+from tools.study import check
 from tools.study import main as study_main
-from tools.study_grid import Grid, StudySpec, cell_config, cell_dir, cells, check_overrides, read_spec
+from tools.study_grid import (
+    CELL_FILE,
+    Grid,
+    StudySpec,
+    cell_config,
+    cell_dir,
+    cells,
+    check_overrides,
+    read_sittings,
+    read_spec,
+)
 from tools.study_report import DIVERGED, STALLED, TRAINED, classify, cpu_text
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)

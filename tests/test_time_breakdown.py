@@ -2,7 +2,7 @@
 
 from common.jsonl import read_jsonl
 from common.run_layout import TIME_BREAKDOWN_FILE
-from tests.conftest import ROOT, launch
+from tests.helpers import ROOT, launch
 
 STEPS = 5
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from tools.compare_training import main as compare_main
 from tools.torchscale_peer import torchscale_model
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from corpus.dataset import PreparedData
 from corpus.prepare import main as prepare_main
-from corpus.prepared import PreparedData
 from model import ModelConfig, Transformer
-from tests.conftest import ROOT, write_run, write_slice
+from tests.helpers import ROOT, write_run, write_slice
 from tools.bench_translate import main as bench_translate_main
 from translation.generate import main as generate_main
 from translation.generate import parse_args as parse_generate_args

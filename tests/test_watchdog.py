@@ -1,4 +1,4 @@
-"""A hung peer ends the job within train.hang_timeout, naming the rank to blame (pipeline/watchdog.py)."""
+"""A hung peer ends the job within train.hang_timeout, naming the rank to blame (pipeline/safety/watchdog.py)."""
 
 import os
 import re
@@ -13,9 +13,9 @@ import pytest
 
 from common.errors import ConfigError
 from common.run_layout import HEARTBEAT_FILE
-from pipeline.config import load_config
-from pipeline.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
-from tests.conftest import ROOT, launch_env, launcher_command
+from pipeline.config.run_config import load_config
+from pipeline.safety.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
+from tests.helpers import ROOT, launch_env, launcher_command
 
 SAVE_DIR = Path("/runs/exp")
 DEFAULT = ROOT / "ds_configs" / "default.json"

@@ -16,7 +16,7 @@ from common.errors import ConfigError
 from model.config import NUM_SPECIAL
 from model.loss import label_smoothed_cross_entropy
 from model.parts import TRANSFORMER_LAYERS, Part, model_parts
-from pipeline.config import RunConfig
+from pipeline.config.run_config import RunConfig
 
 
 @dataclass

@@ -39,10 +39,10 @@ from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
 from model.norms import build_scheme
 from model.transformer import Transformer
-from pipeline.config import DataConfig, RunConfig, TrainConfig
+from pipeline.config.deepspeed_values import check_deepspeed
+from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import clear_pipe_buffers
-from pipeline.deepspeed_values import check_deepspeed
-from pipeline.distributed import release_shm_buffer
+from pipeline.launched import release_shm_buffer
 from pipeline.train import build_engine
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 

@@ -16,11 +16,10 @@ import time
 import torch
 
 from corpus.batches import MicroBatches
-from pipeline.config import resolve_run
-from pipeline.distributed import init_distributed
+from pipeline.config.run_config import resolve_run
 from pipeline.dropout_masks import DropoutMasks
+from pipeline.launched import init_distributed, launched_world
 from pipeline.train import build_engine, train_step
-from pipeline.world import launched_world
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

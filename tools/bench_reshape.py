@@ -1,5 +1,6 @@
 """What a resume on another shape costs: a run trained for one step at 2 stages, resumed at 1 stage, then at 2
-again, each resume converting the latest checkpoint to DeepSpeed's universal form first (pipeline/reshape.py).
+again, each resume converting the latest checkpoint to DeepSpeed's universal form first
+(pipeline/checkpoint/reshape.py).
 
     python scripts/bench_reshape.py --config ds_configs/branchnorm_500L.json --work /tmp/reshape500 --json out.json
 
@@ -17,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from common.run_layout import latest_tag
-from pipeline.reshape import converter_command, universal_tag
+from pipeline.checkpoint.reshape import converter_command, universal_tag
 from tools.bench_prepare import Measured, cpu, mib, run_sampled
 
 ROOT = Path(__file__).resolve().parent.parent

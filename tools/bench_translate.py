@@ -7,11 +7,11 @@ exported model, each decoding the same prepared split.
         [--threads 2] [--json FILE]
 
 Every system gets the same beam, length penalty, length limits, sentences per batch, threads and heap
-settings (pipeline/heap.py), and the systems take turns round by round, so a noisy machine slows them
+settings (common/heap.py), and the systems take turns round by round, so a noisy machine slows them
 alike. Times are of decoding alone: model loading and start-up are excluded (for fairseq, its own
 "Translated ... in S s"). The hypotheses of each system are compared with the incremental search's,
-sentence by sentence after SentencePiece decoding. The full-recompute search is the reference kept in
-tests/reference_search.py (run from a checkout); fairseq needs `bash scripts/setup_fairseq_env.sh`.
+sentence by sentence after SentencePiece decoding. The full-recompute search is model/reference_search.py,
+the incremental search's specification; fairseq needs `bash scripts/setup_fairseq_env.sh`.
 
     python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30]
 
@@ -38,7 +38,8 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import check_writable_file
 from common.heap import decoding_env, keep_freed_blocks
 from convert.to_fairseq import main as export_main
-from corpus.prepared import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus
+from model.reference_search import full_recompute_search
 from translation.translate import Translator, add_model_args
 
 SYSTEMS = ("incremental", "full", "fairseq")
@@ -59,15 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def full_recompute_search() -> Callable:
-    """The first search, kept as the tests' reference; importable from a checkout only."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "tests" / "reference_search.py").exists():
-        raise ConfigError("--systems full: tests/reference_search.py not found; run from a fathom checkout")
-    sys.path.insert(0, str(root))
-    from tests.reference_search import full_recompute_search as search
-
-    return search
 
 
 class Fathom:
@@ -142,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         runners = {
             "incremental": lambda: Fathom(translator, sources, None),
-            "full": lambda: Fathom(translator, sources, full_recompute_search()),
+            "full": lambda: Fathom(translator, sources, full_recompute_search),
             "fairseq": lambda: Fairseq(args, translator, Path(workdir), len(sources)),
         }
         bench = {name: runners[name]() for name in systems}
@@ -229,7 +221,7 @@ def depth_main(argv: list[str] | None = None) -> None:
     searches = {"incremental": beam_search, "full": None}
     systems = args.systems.split(",")
     if "full" in systems:
-        searches["full"] = full_recompute_search()
+        searches["full"] = full_recompute_search
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, 15), generator=generator)
     src[:, -1] = 2  # eos

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from common.errors import ConfigError, exit_on_config_error
 from common.run_layout import MEMORY_FILE
-from pipeline.config import RunConfig, build_corpus, load_config, with_vocab
-from pipeline.memory import GiB, MeasuredPeak
+from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.partition import stage_bounds
+from pipeline.safety.memory import GiB, MeasuredPeak
 from tools.activation_trace import LayerTrace, precision, trace_layers
 
 GB = 10**9
@@ -255,7 +255,8 @@ def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShap
 
 
 def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
-    """Each rank's measured peak (pipeline/memory.py: above its pre-model baseline) beside its stage's estimate."""
+    """Each rank's measured peak (pipeline/safety/memory.py: above its pre-model baseline) beside its stage's
+    estimate."""
     path = save_dir / MEMORY_FILE
     if not path.exists():
         raise ConfigError(f"--measured: {path} does not exist; it is written when a training run finishes")

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from corpus.batches import collate
-from corpus.prepared import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus
 from model.config import EOS, PAD
 from model.trained import load_reference
 

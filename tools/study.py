@@ -24,18 +24,19 @@ from typing import Any
 
 from common.errors import ConfigError, exit_on_config_error
 from common.files import check_makeable, write_atomic
-from common.jsonl import read_jsonl
 from common.ports import free_port
-from common.run_layout import CONFIG_FILE, META_FILE, METRICS_FILE, latest_tag
-from corpus.prepared import BinarizedCorpus
+from common.run_layout import CONFIG_FILE, META_FILE, latest_tag
+from corpus.dataset import BinarizedCorpus
 from model.norms import SCHEMES
-from pipeline.config import RunConfig, read_json, with_vocab
-from pipeline.config_history import flat, read_back
-from pipeline.stability import NONFINITE_EXIT
+from pipeline.config.history import flat, read_back
+from pipeline.config.run_config import RunConfig, read_json, with_vocab
+from pipeline.safety.divergence import NONFINITE_EXIT
 from tools.bench_prepare import cpu
 from tools.figures import pyplot
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
+    BASELINE_FILE,
+    CELL_FILE,
     ROOT,
     Cell,
     StudySpec,
@@ -43,15 +44,17 @@ from tools.study_grid import (
     cell_config,
     cell_dir,
     cell_overrides,
+    cell_records,
     cells,
     check_overrides,
+    read_baseline,
+    read_cell,
     read_spec,
+    sittings_path,
 )
+from tools.study_report import STUDY, TRAINED, classify, write_report
 from translation.translate import check_search_args
 
-CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
-SITTINGS = ".sittings.jsonl"  # STUDY/cells/NAME.sittings.jsonl: one line per start of the cell's training
-BASELINE_FILE = "baseline.json"
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
 
@@ -62,11 +65,6 @@ def command(spec: StudySpec, cell: Cell, cfg: RunConfig, port: int) -> list[str]
         "--master_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config),
         "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip
-
-
-def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:
-    path = cell_dir(spec, cell) / CELL_FILE
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
@@ -110,8 +108,6 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: 
     """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
     that ended with weights, its validation loss with real and shuffled sources and, if it trained,
     its validation BLEU; and the seconds the evaluation took."""
-    from tools.study_report import TRAINED, classify  # the report's rules, applied once here
-
     directory = cell_dir(spec, cell)
     record: dict[str, Any] = {"exit": status, "seconds": seconds}
     tick = time.monotonic()
@@ -121,24 +117,6 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: 
             record["bleu"] = bleu(spec, cfg, directory)
     record["eval_seconds"] = time.monotonic() - tick
     return record
-
-
-def cell_records(directory: Path) -> list[dict[str, Any]]:
-    path = directory / METRICS_FILE
-    return read_jsonl(path) if path.exists() else []
-
-
-def sittings_path(spec: StudySpec, cell: Cell) -> Path:
-    return cell_dir(spec, cell).parent / f"{cell.name}{SITTINGS}"  # beside the log, for the same reason
-
-
-def read_sittings(spec: StudySpec, cell: Cell) -> list[dict[str, Any]]:
-    path = sittings_path(spec, cell)
-    return read_jsonl(path) if path.exists() else []
-
-
-def read_baseline(spec: StudySpec) -> float:
-    return json.loads((Path(spec.out) / BASELINE_FILE).read_text())["unigram_nll"]
 
 
 def write_baseline(spec: StudySpec, data: Path) -> None:
@@ -229,8 +207,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study", required=True, help="the study's JSON (ds_configs/study_*.json)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
     args = parser.parse_args(argv)
-    from tools.study_report import STUDY, write_report
-
     with exit_on_config_error():
         pyplot(STUDY)  # the report draws: missing, found before hours of training
         spec = read_spec(args.study)

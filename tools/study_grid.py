@@ -1,5 +1,5 @@
 """A depth study's grid: what the study file says (StudySpec), the cells it makes, and each cell's run
-directory and config. tools/study.py runs the cells; tools/study_report.py reads them.
+directory, config and records. tools/study.py runs the cells; tools/study_report.py reads them.
 
 The main grid is schemes x depths. Each further grid (`grids`) is schemes x depths x its axes: learning
 rates, warmups, gradient clippings, gradient accumulations (tokens per update at the same memory),
@@ -11,6 +11,7 @@ settings is the main grid's cell.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,12 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.jsonl import read_jsonl
+from common.run_layout import METRICS_FILE
 from model.config import parse_section
-from pipeline import checkpoint_saving
-from pipeline.config import RunConfig, check_no_tilde, load_config, read_json
+from pipeline.checkpoint import saving
+from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
+CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
+SITTINGS = ".sittings.jsonl"  # STUDY/cells/NAME.sittings.jsonl: one line per start of the cell's training
+BASELINE_FILE = "baseline.json"
 VARIANT_NAME = re.compile(r"[A-Za-z0-9_.]+")
 
 
@@ -50,7 +56,7 @@ def warmup_steps(cfg: RunConfig) -> int:
 
 def accumulation(cfg: RunConfig) -> int:
     """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
-    return checkpoint_saving.accumulation(cfg.deepspeed, replicas=1)
+    return saving.accumulation(cfg.deepspeed, replicas=1)
 
 
 def set_lr(lr: float, cfg: RunConfig) -> list[str]:
@@ -271,3 +277,26 @@ def cell_overrides(spec: StudySpec, cell: Cell) -> list[str]:
 def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:
     """The cell's run config, checked as train.py checks it."""
     return load_config(ROOT / spec.config, cell_overrides(spec, cell), world_size=None)
+
+
+def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:
+    path = cell_dir(spec, cell) / CELL_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def cell_records(directory: Path) -> list[dict[str, Any]]:
+    path = directory / METRICS_FILE
+    return read_jsonl(path) if path.exists() else []
+
+
+def sittings_path(spec: StudySpec, cell: Cell) -> Path:
+    return cell_dir(spec, cell).parent / f"{cell.name}{SITTINGS}"  # beside the log, for the same reason
+
+
+def read_sittings(spec: StudySpec, cell: Cell) -> list[dict[str, Any]]:
+    path = sittings_path(spec, cell)
+    return read_jsonl(path) if path.exists() else []
+
+
+def read_baseline(spec: StudySpec) -> float:
+    return json.loads((Path(spec.out) / BASELINE_FILE).read_text())["unigram_nll"]

@@ -21,9 +21,8 @@ from typing import Any
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.run_layout import GRAD_NORMS_FILE
-from pipeline.config import RunConfig
+from pipeline.config.run_config import RunConfig
 from tools.figures import pyplot
-from tools.study import cell_records, read_baseline, read_cell, read_sittings
 from tools.study_grid import (
     AXES,
     Cell,
@@ -31,10 +30,14 @@ from tools.study_grid import (
     StudySpec,
     cell_config,
     cell_dir,
+    cell_records,
     cells,
     combinations,
     grid_cell,
     number_text,
+    read_baseline,
+    read_cell,
+    read_sittings,
     warmup_steps,
 )
 

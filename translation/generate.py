@@ -19,7 +19,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from common.errors import exit_on_config_error
 from common.files import check_writable_file, write_atomic
 from common.heap import keep_freed_blocks
-from corpus.prepared import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
 from translation.translate import Translator, add_model_args
 

@@ -27,7 +27,7 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import check_writable_file, write_atomic
 from common.heap import keep_freed_blocks
 from corpus.batches import length_batches, with_eos
-from corpus.prepared import PreparedData, check_vocab
+from corpus.dataset import PreparedData, check_vocab
 from corpus.text import decode_lines, read_lines
 from model.search import Hypothesis, beam_search
 from model.trained import load_reference

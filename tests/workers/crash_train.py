@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint_saving
+from pipeline.checkpoint import saving
+from pipeline.launched import run_launched
 from pipeline.train import main
-from pipeline.world import run_launched
 
 
 def die() -> None:
@@ -21,7 +21,7 @@ def die() -> None:
 
 
 def crash_mid_file(count: int) -> None:
-    original = checkpoint_saving.CommittingCheckpointEngine.save
+    original = saving.CommittingCheckpointEngine.save
 
     def save(self, state_dict, path):
         if len(self.written) == count - 1:
@@ -34,18 +34,18 @@ def crash_mid_file(count: int) -> None:
             die()
         original(self, state_dict, path)
 
-    checkpoint_saving.CommittingCheckpointEngine.save = save
+    saving.CommittingCheckpointEngine.save = save
 
 
 def crash_before_latest() -> None:
-    original = checkpoint_saving.write_atomic
+    original = saving.write_atomic
 
     def write_atomic(path, text):
-        if path.name == checkpoint_saving.LATEST:
+        if path.name == saving.LATEST:
             die()
         original(path, text)
 
-    checkpoint_saving.write_atomic = write_atomic
+    saving.write_atomic = write_atomic
 
 
 if "FATHOM_CRASH" in os.environ:

@@ -19,9 +19,9 @@ import torch
 
 from model.parts import module_names
 from pipeline import train as training
-from pipeline.config import resolve_run
+from pipeline.config.run_config import resolve_run
 from pipeline.deepspeed_internals import stage_layers, stage_range
-from pipeline.world import run_launched
+from pipeline.launched import run_launched
 
 build_engine = training.build_engine
 

@@ -20,13 +20,12 @@ from common.run_layout import CONFIG_FILE
 from corpus.batches import MicroBatches
 from model.norms import ScheduleHook, build_scheme
 from model.parts import DecoderLayerPipe, EncoderLayerPipe
-from pipeline import admin
-from pipeline.config import ValidBleu, build_corpus, resolve_run
+from pipeline import admin_profile
+from pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
-from pipeline.distributed import init_distributed
+from pipeline.launched import init_distributed, run_launched
 from pipeline.train import build_engine, profile_batch
-from pipeline.world import run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 DECODED = 12  # validation sentences translated through the stages, in batches of 5
@@ -82,7 +81,7 @@ def main():
             (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
         if build_scheme(cfg.model).profiled:
             dist.barrier()  # save_dir exists before rank 0 writes the profile into it
-            admin.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
+            admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         ScheduleHook(engine.module)(STEP)
         engine.save_checkpoint(str(save_dir), tag="before")
         data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())

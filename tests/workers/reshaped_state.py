@@ -7,11 +7,10 @@ Usage: reshaped_state.py CONFIG OUT_DIR WORLD_SIZE OVERRIDE...
 import sys
 from pathlib import Path
 
-from pipeline import checkpoint_saving
-from pipeline.config import resolve_run
-from pipeline.distributed import init_distributed
+from pipeline.checkpoint import saving
+from pipeline.config.run_config import resolve_run
+from pipeline.launched import init_distributed, run_launched
 from pipeline.train import SCHEDULE_OFFSET, build_engine
-from pipeline.world import run_launched
 
 
 def main():
@@ -20,10 +19,10 @@ def main():
     cfg, _ = resolve_run(config_path, args[3:], world_size=world_size)
     init_distributed()
     engine = build_engine(cfg)
-    client_state = checkpoint_saving.load(engine, cfg.train.save_dir)
+    client_state = saving.load(engine, cfg.train.save_dir)
     out.mkdir(parents=True, exist_ok=True)
     kept = {SCHEDULE_OFFSET: client_state[SCHEDULE_OFFSET]}  # what training keeps beside DeepSpeed's state
-    checkpoint_saving.save(engine, out, kept, best=False, schedule_step=engine.global_steps)
+    saving.save(engine, out, kept, best=False, schedule_step=engine.global_steps)
 
 
 run_launched(main)

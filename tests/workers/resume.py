@@ -7,9 +7,9 @@ Usage: resume.py CONFIG OUT_DIR STEPS CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from pipeline.config import resolve_run
+from pipeline.config.run_config import resolve_run
+from pipeline.launched import run_launched
 from pipeline.train import train
-from pipeline.world import run_launched
 
 
 def main():

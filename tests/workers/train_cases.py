@@ -6,9 +6,9 @@ Usage: train_cases.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from pipeline.config import resolve_run
+from pipeline.config.run_config import resolve_run
+from pipeline.launched import run_launched
 from pipeline.train import train
-from pipeline.world import run_launched
 
 
 def main():

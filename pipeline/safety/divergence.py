@@ -38,7 +38,7 @@ from pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from pipeline.world import end_distributed
+from pipeline.launched import end_distributed
 
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
 

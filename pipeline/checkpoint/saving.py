@@ -47,13 +47,13 @@ from common.run_layout import (
     step_tag,
 )
 from corpus.batches import ParallelCorpus
-from corpus.prepared import PreparedData, check_vocab
+from corpus.dataset import PreparedData, check_vocab
 from model.trained import check_same_model, model_config
-from pipeline.config import RunConfig
-from pipeline.config_history import flat, read_back, shown
+from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
+from pipeline.config.history import flat, read_back, shown
+from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
-from pipeline.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
-from pipeline.world import end_distributed
+from pipeline.launched import end_distributed
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):
@@ -247,7 +247,7 @@ def accumulation(ds: dict[str, Any], replicas: int) -> int:
 
 def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int) -> None:
     """Fails in one line unless this launch can continue the checkpoint on its shape: a new stage count
-    or replica count needs a checkpoint fathom can reshape (pipeline/reshape.py) and the run's batches,
+    or replica count needs a checkpoint fathom can reshape (pipeline/checkpoint/reshape.py) and the run's batches,
     micro-batch for micro-batch: a replica count that divides the micro-batches of a step."""
     manifest = read_manifest(checkpoint)
     replicas = world_size // cfg.stages

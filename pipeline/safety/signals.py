@@ -17,9 +17,9 @@ from collections.abc import Callable
 from types import FrameType
 
 from common.run_layout import HEARTBEAT_FILE, has_checkpoints, latest_tag
-from pipeline.checkpoint_saving import remove_uncommitted
-from pipeline.rundir import RunDirectory
-from pipeline.watchdog import Watchdog
+from pipeline.checkpoint.run_directory import RunDirectory
+from pipeline.checkpoint.saving import remove_uncommitted
+from pipeline.safety.watchdog import Watchdog
 
 # SIGHUP: the terminal or ssh session the job was started from went away.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

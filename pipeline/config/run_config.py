@@ -1,8 +1,8 @@
 """One JSON file per experiment: DeepSpeed's own keys at top level plus our `model`, `data`, `train`.
 
 Everything is checked here, before any process trains: DeepSpeed ignores keys it does not know, so a
-typo anywhere would otherwise silently train the wrong model (pipeline/deepspeed_keys.py checks
-DeepSpeed's sections against what the pinned DeepSpeed reads, pipeline/deepspeed_values.py their values).
+typo anywhere would otherwise silently train the wrong model (pipeline/config/deepspeed_keys.py checks
+DeepSpeed's sections against what the pinned DeepSpeed reads, pipeline/config/deepspeed_values.py their values).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any
 from common.errors import ConfigError
 from common.heap import CPU_HEAPS
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
-from corpus.prepared import BinarizedCorpus, PreparedData, ShardedCorpus
+from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.config import ModelConfig, parse_section
-from pipeline.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
+from model.norms import parse_model
+from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
 ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
@@ -109,12 +110,13 @@ class TrainConfig:
     # cutting every branch of trained weights at t = 0.
     init_step: int | None = None
     # Seconds a rank may go without progress (a step, a validation pass, a checkpoint save or load)
-    # before the job ends naming the rank to blame (pipeline/watchdog.py). Half an hour, torch's default
+    # before the job ends naming the rank to blame (pipeline/safety/watchdog.py). Half an hour, torch's default
     # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on
     # a shared filesystem, and all a hung job then wastes. The backend waits 30 s longer.
     hang_timeout: float = 1800.0
     # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
-    # status 3; the last checkpoint stays the latest), "skip" goes on with the next step (pipeline/stability.py).
+    # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
+    # (pipeline/safety/divergence.py).
     on_nonfinite: str = "stop"
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
     grad_norm_interval: int = 0
@@ -122,9 +124,9 @@ class TrainConfig:
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
     compile: bool = False
     # Each pipeline instruction's time (forward, backward, sends and receives, ...) per step and rank to
-    # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/time_breakdown.py).
+    # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/safety/time_breakdown.py).
     time_breakdown: bool = False
-    # On CPUs, what glibc does with freed tensors (pipeline/heap.py): "keep" them in its heap for the next
+    # On CPUs, what glibc does with freed tensors (common/heap.py): "keep" them in its heap for the next
     # step (1.2-1.5x faster steps at d 512), or "return" them to the system (a 1.2-1.4x lower peak, the
     # one the memory planner predicts).
     cpu_heap: str = "keep"
@@ -261,7 +263,7 @@ def load_config(path: str | Path, overrides: list[str] = (), world_size: int | N
     for section in OUR_SECTIONS:
         if section not in raw:
             raise ConfigError(f'{section}: missing section; add "{section}": {{...}} to {path}')
-    model = ModelConfig.from_dict(raw["model"])
+    model = parse_model(raw["model"])
     data = parse_section(DataConfig, raw["data"], "data")
     train = parse_section(TrainConfig, raw["train"], "train")
     check_deepspeed(ds, model, world_size)

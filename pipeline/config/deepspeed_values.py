@@ -1,6 +1,6 @@
 """DeepSpeed's values that a pipeline run depends on, checked before launch the way the engine would
 fail on them, or where it would not fail at all (a schedule that ends before the run, a monitor whose
-package is missing). Which keys DeepSpeed reads at all is pipeline/deepspeed_keys.py's."""
+package is missing). Which keys DeepSpeed reads at all is pipeline/config/deepspeed_keys.py's."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from common.errors import ConfigError, unknown_key_error
 from common.files import check_makeable
 from model.config import ModelConfig
 from model.parts import model_parts
-from pipeline.deepspeed_keys import check_deepspeed_keys, pipeline_keys
+from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py

@@ -1,4 +1,4 @@
-"""The reference for model/search.py: fathom's first beam search, which recomputes the whole decoder
+"""The specification of model/search.py: fathom's first beam search, which recomputes the whole decoder
 over the whole prefix at every output position and keeps finished sentences in the batch.
 
 Hypotheses are finalized like fairseq's SequenceGenerator: an eos among a sentence's top `beam`

@@ -23,7 +23,7 @@ from common.errors import ConfigError, closest
 
 # Read outside DeepSpeedConfig, by deepspeed.initialize itself (deepspeed/__init__.py, 0.19.8).
 READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
-# Sections fathom checks itself (pipeline: pipeline/config.py), or hands to a constructor (params).
+# Sections fathom checks itself (pipeline: pipeline/config/run_config.py), or hands to a constructor (params).
 OWN_CHECKS = frozenset({"pipeline", "optimizer.params", "scheduler.params"})
 
 
@@ -90,7 +90,7 @@ def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> N
 
     probe = copy.deepcopy(ds)
     # DeepSpeed checks the batch sizes against the size of whatever process group exists (none before
-    # launch: it assumes 1), and derives train_batch_size when it is left out; pipeline/config.py has
+    # launch: it assumes 1), and derives train_batch_size when it is left out; pipeline/config/run_config.py has
     # checked it against the real data-parallel size.
     if "train_micro_batch_size_per_gpu" in probe:
         probe.pop("train_batch_size", None)

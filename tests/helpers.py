@@ -1,0 +1,132 @@
+"""What the tests share that is not a fixture: launching jobs the way users do, slices of the real
+data, fake runs, and comparing two trainings."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from common.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:
+    """The real `deepspeed` launcher running a script with `processes` CPU ranks."""
+    launcher = shutil.which("deepspeed")
+    assert launcher, "the deepspeed launcher is not on PATH"
+    return [launcher, "--num_gpus", str(processes), "--master_port", str(free_port()), str(script), *args]
+
+
+def launch_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def launch(
+    script: str | Path, *args: str, processes: int = 2, timeout: int = 600, file_size_limit: int | None = None
+) -> subprocess.CompletedProcess:
+    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks; with
+    `file_size_limit` (bytes) no process of the job can write a file past it, as on a full disk."""
+    cmd = launcher_command(script, *args, processes=processes)
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run(
+        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout,
+        preexec_fn=limit_file_size if file_size_limit else None,
+    )  # fmt: skip
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
+    return result
+
+
+MULTI30K = ROOT / "data" / "multi30k"
+
+
+def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:
+    """The first `lines` pairs of a Multi30k split as plain files; returns the prefix."""
+    import gzip
+
+    for lang in langs:
+        with gzip.open(MULTI30K / f"{name}.{lang}.gz", "rt", encoding="utf-8") as f:
+            text = [next(f) for _ in range(lines)]
+        (out / f"{name}.{lang}").write_text("".join(text), encoding="utf-8")
+    return str(out / name)
+
+
+def edit_prepared(data: Path, name: str, edit) -> None:
+    """Rewrites a file of a prepared data directory with edit(its lines) and records it in meta.json, as if
+    prepare_data had written it: data that is consistent, but not the data a run was trained on."""
+    import json
+
+    from corpus.dataset import file_record
+
+    path = data / name
+    path.write_text("".join(line + "\n" for line in edit(path.read_text().splitlines())))
+    meta = json.loads((data / "meta.json").read_text())
+    meta["files"][name] = file_record(path)
+    (data / "meta.json").write_text(json.dumps(meta))
+
+
+def logged_steps(save_dir: Path) -> list[dict]:
+    """Every value metrics.jsonl logged, step by step, but the timing."""
+    import json
+
+    lines = (save_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines]
+
+
+def final_layers(save_dir: Path) -> dict[str, dict]:
+    """The layer files of the latest checkpoint, by file name."""
+    from common.run_layout import load_file
+
+    tag = save_dir / (save_dir / "latest").read_text().strip()
+    return {path.name: load_file(path) for path in sorted(tag.glob("layer_*-model_states.pt"))}
+
+
+def assert_same_training(expected: Path, actual: Path) -> None:
+    """The same losses (and grad norms, lr, alpha, validation) at every step, and bit-identical final weights."""
+    import torch
+
+    assert logged_steps(actual) == logged_steps(expected)
+    want, got = final_layers(expected), final_layers(actual)
+    assert want and got.keys() == want.keys()
+    for name, tensors in want.items():
+        assert got[name].keys() == tensors.keys(), name
+        for key, tensor in tensors.items():
+            assert torch.equal(got[name][key], tensor), f"{name} {key}"
+
+
+def write_run(model, save_dir: Path, step: int = 1) -> Path:
+    """A run directory holding `model` as a pipeline checkpoint (global_step{step}, `latest`), as training
+    writes it but without DeepSpeed: for tests of what reads checkpoints."""
+    import json
+
+    import torch
+
+    from common.run_layout import layer_file
+    from model.trained import saved_layers
+
+    checkpoint = save_dir / f"global_step{step}"
+    checkpoint.mkdir(parents=True)
+    for index, name in saved_layers(model.cfg):
+        torch.save(model.get_submodule(name).state_dict(), layer_file(checkpoint, index))
+    torch.save({"global_steps": step}, checkpoint / "mp_rank_00_model_states.pt")
+    (save_dir / "latest").write_text(checkpoint.name)
+    (save_dir / "config.json").write_text(json.dumps({"model": model.cfg.__dict__}))
+    return save_dir
+
+
+def without_matplotlib(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Python finds no matplotlib (an optional extra), as after a plain install."""
+    shim = tmp_path / "no-matplotlib" / "matplotlib"
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
+    )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))}

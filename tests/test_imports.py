@@ -1,0 +1,75 @@
+"""How the packages depend on each other, read from every import statement (function-local ones
+included, so that none can hide a dependency): each package imports only the layers below it, and no
+module imports itself back through others."""
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+# Each package may import those listed for it, and nothing else of fathom's.
+ALLOWED = {
+    "common": set(),
+    "model": {"common"},
+    "corpus": {"common", "model"},
+    "pipeline": {"common", "model", "corpus"},
+    "translation": {"common", "model", "corpus"},
+    "convert": {"common", "model", "corpus"},
+    "tools": {"common", "model", "corpus", "pipeline", "translation", "convert"},
+    "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "tools"},
+}
+PACKAGES = (*ALLOWED, "tests")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every fathom module `path` imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for package in ALLOWED for p in (ROOT / package).rglob("*.py")}
+    return {name: {m for m in imports(path) if m in files and m != name} for name, path in files.items()}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name, deps in graph().items()
+        for dep in deps
+        if dep.split(".")[0] != name.split(".")[0] and dep.split(".")[0] not in ALLOWED[name.split(".")[0]]
+    )
+    assert not wrong
+
+
+def test_no_shipped_module_imports_the_tests():
+    files = [p for package in ALLOWED for p in (ROOT / package).rglob("*.py")]
+    assert not [str(p) for p in files if any(m.split(".")[0] == "tests" for m in imports(p))]
+
+
+def test_no_module_imports_itself_back_through_others():
+    deps, cycles, state = graph(), [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(deps[name]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = "done"
+
+    for name in sorted(deps):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles

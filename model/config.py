@@ -41,6 +41,11 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as err:
                 errors.append(err)
         raise errors[0]
+    if origin is typing.Literal:  # a choice: the type names every allowed value
+        choices = typing.get_args(tp)
+        if not any(value == choice and type(value) is type(choice) for choice in choices):
+            raise ConfigError(f"{key}: {value!r}; choose one of {', '.join(map(str, choices))}")
+        return value
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected an object, got {value!r}")

@@ -309,12 +309,7 @@ class DeepNorm(NormScheme):
     @dataclass
     class Options:
         # "paper": xavier_normal with gain beta (Algorithm 1); "torchscale": that library's code.
-        init: str = "paper"
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        if self.options.init not in DEEPNORM_INITS:
-            raise ConfigError(f"model.deepnorm.init: '{self.options.init}'; choose one of {', '.join(DEEPNORM_INITS)}")
+        init: Literal["paper", "torchscale"] = "paper"
 
     def residual(self, side: Side) -> nn.Module:
         alpha, _ = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
@@ -445,18 +440,14 @@ class BranchNorm(NormScheme):
     @dataclass
     class Options:
         T: int = 4000
-        growth: str = "linear"
+        growth: Literal["linear", "exp", "sigmoid"] = "linear"
         # Sec. 4.1: "We initialize model parameters following DeepNorm".
-        init: str = "deepnorm"
+        init: Literal["deepnorm", "fairseq"] = "deepnorm"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         if self.options.T < 1:
             raise ConfigError(f"model.branchnorm.T: must be at least 1, got {self.options.T}")
-        if self.options.growth not in GROWTH:
-            raise ConfigError(f"model.branchnorm.growth: '{self.options.growth}'; choose one of {', '.join(GROWTH)}")
-        if self.options.init not in ("deepnorm", "fairseq"):
-            raise ConfigError(f"model.branchnorm.init: '{self.options.init}'; choose deepnorm or fairseq")
 
     def alpha(self, step: int) -> float:
         return branchnorm_alpha(step, self.options.T, self.options.growth)

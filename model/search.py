@@ -13,6 +13,7 @@ Transformer; pipeline/decode.py runs the same search through the stages of a pip
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from common.errors import ConfigError
 from model.cache import DecoderCache, sentences_of
 from model.config import EOS, PAD
 from model.transformer import Transformer
@@ -27,6 +29,31 @@ from model.transformer import Transformer
 # (scores, beam, token) of each sentence's 2 x beam best continuations, best first, (sentences, 2 x beam) each.
 Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Choose = Callable[[torch.Tensor], Candidates]
+
+
+@dataclass
+class SearchConfig:
+    """How every decoder of fathom searches (generate.py, translate.py, train.valid_bleu, the depth study's
+    BLEU): one set of settings with one set of defaults, checked in one place."""
+
+    beam: int = 4
+    lenpen: float = 1.0  # fairseq's length penalty: scores / length ** lenpen
+    # Output length limit a x source length + b (fairseq's --eval-bleu-args example): an undertrained
+    # model that never ends a sentence stops there instead of at the model's max_positions.
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    batch_size: int = 64  # sentences decoded together
+
+    def check(self, name: Callable[[str], str]) -> None:
+        """Fails in one line on a setting no search can use; `name` spells a setting as the user gave it
+        (--max-len-a, train.valid_bleu.max_len_a)."""
+        for key in ("beam", "batch_size", "max_len_b"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{name(key)}: must be at least 1, got {getattr(self, key)}")
+        if not 0 <= self.max_len_a < math.inf:  # also refuses NaN
+            raise ConfigError(f"{name('max_len_a')}: must be a finite number >= 0, got {self.max_len_a}")
+        if not math.isfinite(self.lenpen):
+            raise ConfigError(f"{name('lenpen')}: must be a finite number, got {self.lenpen}")
 
 
 @dataclass

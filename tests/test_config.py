@@ -1,18 +1,24 @@
 """Every bad-config case stops before training with one line naming the key and the fix."""
 
+import dataclasses
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import typing
 
 import pytest
 
+from common.errors import ConfigError
+from common.heap import CPU_HEAPS
 from common.run_layout import LATEST, META_FILE
+from model.norms import DEEPNORM_INITS, GROWTH, BranchNorm, DeepNorm
+from model.search import SearchConfig
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config import deepspeed_values
-from pipeline.config.run_config import load_config
+from pipeline.config.run_config import TrainConfig, ValidBleu, load_config
 from pipeline.train import main
 from tests.helpers import ROOT, launch
 
@@ -60,7 +66,7 @@ CASES = [
     (set_key(["train", "valid_bleu", "beem"], 4), "train.valid_bleu.beem: unknown key; did you mean 'beam'?"),
     (set_key(["train", "valid_bleu", "beam"], 0), "train.valid_bleu.beam: must be at least 1, got 0"),
     (set_key(["train", "best_metric"], "bleu"), "train.best_metric: bleu needs train.valid_bleu"),
-    (set_key(["train", "best_metric"], "chrf"), "train.best_metric: 'chrf'; use one of loss, bleu"),
+    (set_key(["train", "best_metric"], "chrf"), "train.best_metric: 'chrf'; choose one of loss, bleu"),
     (set_key(["model", "norm_scheme"], "deep_norm"), "model.norm_scheme: unknown scheme 'deep_norm'"),
     (set_key(["model", "branchnorm", "growth"], "cubic"), "model.branchnorm.growth: 'cubic'"),
     (set_key(["model", "branchnorm", "TT"], 5), "model.branchnorm.TT: unknown key; did you mean 'T'?"),
@@ -133,7 +139,9 @@ def test_deepspeed_sections_it_validates_whole_pass(tmp_path, monkeypatch):
     """Sections DeepSpeed hands whole to a pydantic model (its monitors) are that model's to check."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     csv = '{"enabled": true, "output_path": "/tmp/csv", "job_name": "run"}'
-    load_config(write_config(tmp_path), [f"csv_monitor={csv}", "tensorboard.enabled=false"], world_size=2)
+    cfg = load_config(write_config(tmp_path), [f"csv_monitor={csv}", "tensorboard.enabled=false"], world_size=2)
+    assert cfg.deepspeed["csv_monitor"] == json.loads(csv)  # handed to DeepSpeed as given
+    assert cfg.deepspeed["tensorboard"]["enabled"] is False
 
 
 # Values that passed the start-up checks and then crashed every rank with a traceback, or trained silently
@@ -162,7 +170,7 @@ VALUES = {
     "train.save_dir=~/runs/a": "train.save_dir: '~/runs/a' starts with ~, which a config does not expand",
     "train.save_dir=/proc/fathom-run": "train.save_dir: cannot write in /proc",
     "train.max_steps=0": "train.max_steps: must be at least 1, got 0",  # trained nothing, exit 0
-    "train.cpu_heap=fast": "train.cpu_heap: must be keep or return, got 'fast'",
+    "train.cpu_heap=fast": "train.cpu_heap: 'fast'; choose one of keep, return",
     "train.init_step=5": "train.init_step: 5; it is the step train.init_from's weights start at",
     # DeepSpeed warned (silenced) and warmed up by log instead
     "scheduler.params.warmup_type=lienar": "scheduler.params.warmup_type: 'lienar'; choose one of linear, log",
@@ -402,3 +410,27 @@ def test_bf16_on_a_cpu_that_emulates_it_is_one_warning_line(tmp_path, monkeypatc
     assert deepspeed_values.precision_warning({"bf16": {"enabled": False}}) is None
     monkeypatch.setattr(deepspeed_values, "native_bf16_cpu", lambda: True)
     assert deepspeed_values.precision_warning({"bf16": {"enabled": True}}) is None
+
+
+def test_each_choice_a_config_type_names_has_an_implementation():
+    """Choices are checked from the field's Literal type; each must be one the code can run."""
+    heaps = typing.get_type_hints(TrainConfig)["cpu_heap"]
+    assert set(typing.get_args(heaps)) == set(CPU_HEAPS)
+    assert set(typing.get_args(typing.get_type_hints(BranchNorm.Options)["growth"])) == set(GROWTH)
+    assert set(typing.get_args(typing.get_type_hints(DeepNorm.Options)["init"])) == set(DEEPNORM_INITS)
+
+
+def test_every_decoder_searches_with_the_same_settings():
+    """generate.py, translate.py, train.valid_bleu and the depth study read one search config: same keys,
+    same defaults (the study's lenpen is its own choice), one validator."""
+    from translation.generate import parse_args
+    from translation.translate import search_config
+
+    args = parse_args(["--checkpoint", "run", "--data", "data"])
+    assert search_config(args) == SearchConfig()
+    assert dataclasses.asdict(ValidBleu()) == {**dataclasses.asdict(SearchConfig()), "sentences": 0}
+    args.max_len_a = float("nan")
+    with pytest.raises(ConfigError, match="--max-len-a: must be a finite number >= 0, got nan"):
+        search_config(args)
+    with pytest.raises(ConfigError, match="train.valid_bleu.max_len_a: must be a finite number >= 0, got nan"):
+        ValidBleu(max_len_a=float("nan"))

@@ -59,7 +59,7 @@ def test_describe_lets_through_a_step_whose_loss_and_gradients_are_finite():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("train.on_nonfinite=ignore", "train.on_nonfinite: 'ignore'; use one of stop, skip"),
+        ("train.on_nonfinite=ignore", "train.on_nonfinite: 'ignore'; choose one of stop, skip"),
         ("train.grad_norm_interval=-1", "train.grad_norm_interval: must be at least 0, got -1"),
     ],
 )

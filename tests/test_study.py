@@ -159,7 +159,7 @@ def write_study(tmp_path, data):
         # made to diverge; twice the base config's micro-batches an update
         "grids": [{"schemes": ["pre_ln"], "depths": [1], "lrs": [100.0], "warmups": [0], "accumulations": [8]}],
         "heatmap": "pre_ln-2L",
-        "beam": 2,
+        "search": {"beam": 2},
     }
     path = tmp_path / "study.json"
     path.write_text(json.dumps(study))
@@ -230,8 +230,8 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
         ({"overrides": ["modle.dropout=0.1"]}, "modle: neither a section of fathom's"),
         ({"overrides": ["model.encoder_layers=3"]}, "study.overrides: model.encoder_layers is set by each cell"),
         ({"out": " "}, "study.out: empty"),
-        ({"beam": 0}, "study.beam: must be at least 1, got 0"),
-        ({"max_len_a": float("inf")}, "study.max_len_a: must be a finite number >= 0, got inf"),
+        ({"search": {"beam": 0}}, "study.search.beam: must be at least 1, got 0"),
+        ({"search": {"max_len_a": float("inf")}}, "study.search.max_len_a: must be a finite number >= 0, got inf"),
         ({"heatmap": "pre_ln-3L"}, "study.heatmap: pre_ln-3L is not a cell of this study"),
         ({"grids": [{"depths": [1], "schemes": ["pre_ln"], "lrs": []}]}, "study.grids[0].lrs: empty"),
         ({"grids": [{"depths": [1], "schemes": ["pre_ln"], "warmups": [-5]}]}, "warmups: -5; must be at least 0"),

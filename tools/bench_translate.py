@@ -60,8 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-
-
 class Fathom:
     """A search of ours, in this process."""
 

@@ -53,7 +53,6 @@ from tools.study_grid import (
     sittings_path,
 )
 from tools.study_report import STUDY, TRAINED, classify, write_report
-from translation.translate import check_search_args
 
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
@@ -89,9 +88,11 @@ def bleu_args(spec: StudySpec, data: str | Path, save_dir: Path) -> argparse.Nam
     """generate.py's arguments for a cell's validation BLEU: the study's beam, lenpen and length limit."""
     from translation.generate import parse_args
 
+    search = spec.search
     return parse_args(["--checkpoint", str(save_dir), "--data", str(data), "--subset", "valid", "--beam",
-                       str(spec.beam), "--lenpen", str(spec.lenpen), "--max-len-a", str(spec.max_len_a),
-                       "--max-len-b", str(spec.max_len_b), "--device", "cpu"])  # fmt: skip
+                       str(search.beam), "--lenpen", str(search.lenpen), "--max-len-a", str(search.max_len_a),
+                       "--max-len-b", str(search.max_len_b), "--batch-size", str(search.batch_size),
+                       "--device", "cpu"])  # fmt: skip
 
 
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
@@ -164,7 +165,6 @@ def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
         check_unchanged(spec, cell, cfg)
     if spec.heatmap is not None and spec.heatmap not in (names := [cell.name for cell in grid]):
         raise ConfigError(f"study.heatmap: {spec.heatmap} is not a cell of this study; choose one of {names}")
-    check_search_args(bleu_args(spec, data, Path(spec.out)), name=lambda key: f"study.{key}")
     out = Path(spec.out)
     check_makeable(out, "study.out")
     if (out / META_FILE).exists():

@@ -23,6 +23,7 @@ from common.errors import ConfigError
 from common.jsonl import read_jsonl
 from common.run_layout import METRICS_FILE
 from model.config import parse_section
+from model.search import SearchConfig
 from pipeline.checkpoint import saving
 from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
@@ -136,18 +137,15 @@ class StudySpec:
     depths: list[int]  # encoder = decoder layers
     overrides: list[str] = field(default_factory=list)  # for every cell, as --override takes them
     grids: list[Grid] = field(default_factory=list)
-    beam: int = 4  # the validation BLEU of trained cells
-    lenpen: float = 0.6
-    # Output length limit a x source length + b: an undertrained model that never ends a sentence
-    # would otherwise run every hypothesis to generate.py's default of 200 tokens.
-    max_len_a: float = 1.2
-    max_len_b: int = 10
+    # How trained cells' validation BLEU is decoded (generate.py's search)
+    search: SearchConfig = field(default_factory=lambda: SearchConfig(lenpen=0.6))
     heatmap: str | None = None  # the cell whose per-layer gradient norms the report draws
 
     def __post_init__(self) -> None:
         if not self.out.strip():
             raise ConfigError("study.out: empty; name the study's directory, e.g. studies/multi30k")
         check_no_tilde(self.out, "study.out")
+        self.search.check(lambda key: f"study.search.{key}")
         if not self.schemes or not self.depths:
             raise ConfigError("study: give at least one scheme and one depth")
         for depth in [*self.depths, *(d for grid in self.grids for d in grid.depths)]:

@@ -1,7 +1,7 @@
 """Translate raw text with a trained run: SentencePiece in, beam search, SentencePiece out.
 
     python scripts/translate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR [--input FILE] [--output FILE] \\
-        [--beam 4] [--lenpen 0.6] [--max-len-a 0] [--max-len-b 200] [--batch-size 64] [--reference FILE]
+        [--beam 4] [--lenpen 0.6] [--max-len-a 1.2] [--max-len-b 10] [--batch-size 64] [--reference FILE]
 
 One sentence a line, from --input or stdin, to --output or stdout, in input order. The checkpoint
 (any depth, any stage count) loads into the single-process model on the GPU if there is one
@@ -13,7 +13,7 @@ line longer than the model's positions is cut to fit, with one warning line nami
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +29,7 @@ from common.heap import keep_freed_blocks
 from corpus.batches import length_batches, with_eos
 from corpus.dataset import PreparedData, check_vocab
 from corpus.text import decode_lines, read_lines
-from model.search import Hypothesis, beam_search
+from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
 from model.transformer import Transformer
 
@@ -42,11 +42,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
     parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")
-    parser.add_argument("--beam", type=int, default=4)
-    parser.add_argument("--lenpen", type=float, default=1.0, help="fairseq's length penalty (scores / len**lenpen)")
-    parser.add_argument("--max-len-a", type=float, default=0.0, help="output length limit: a x source length + b")
-    parser.add_argument("--max-len-b", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
+    default = SearchConfig()
+    parser.add_argument("--beam", type=int, default=default.beam)
+    parser.add_argument(
+        "--lenpen", type=float, default=default.lenpen, help="fairseq's length penalty (scores / len**lenpen)"
+    )
+    parser.add_argument(
+        "--max-len-a", type=float, default=default.max_len_a, help="output length limit: a x source length + b"
+    )
+    parser.add_argument("--max-len-b", type=int, default=default.max_len_b)
+    parser.add_argument("--batch-size", type=int, default=default.batch_size, help="sentences per batch")
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if there is one)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="of the weights (log-probs in fp32)")
 
@@ -55,15 +60,12 @@ def option_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def check_search_args(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> None:
-    """The search's settings; `name` spells a setting in the errors, as the caller's user gave it."""
-    for key in ("beam", "batch_size", "max_len_b"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"{name(key)}: must be at least 1, got {getattr(args, key)}")
-    if not 0 <= args.max_len_a < math.inf:  # also refuses NaN
-        raise ConfigError(f"{name('max_len_a')}: must be a finite number >= 0, got {args.max_len_a}")
-    if not math.isfinite(args.lenpen):
-        raise ConfigError(f"{name('lenpen')}: must be a finite number, got {args.lenpen}")
+def search_config(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> SearchConfig:
+    """The search settings of a command line, checked; `name` spells a setting in the errors, as the
+    caller's user gave it."""
+    cfg = SearchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SearchConfig)})
+    cfg.check(name)
+    return cfg
 
 
 def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:
@@ -85,7 +87,7 @@ class Translator:
     """A run's model on a device, with the dictionaries and SentencePiece models of its data."""
 
     def __init__(self, args: argparse.Namespace):
-        check_search_args(args)
+        self.search_cfg = search_config(args)
         device, dtype = device_and_dtype(args.device, args.precision)
         self.data = PreparedData(args.data)
         self.model: Transformer = load_reference(args.checkpoint, args.tag).to(device, dtype)
@@ -101,12 +103,12 @@ class Translator:
     ) -> list[Hypothesis]:
         """Best hypothesis per source (token ids without eos), batched by length, in input order; `search`
         (model.search.beam_search's signature) lets a benchmark time another search on the same batches."""
-        args = self.args
-        batches = length_batches(sources, range(len(sources)), args.batch_size)
+        batches = length_batches(sources, range(len(sources)), self.search_cfg.batch_size)
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
             src = with_eos([sources[i] for i in batch])
-            found = search(self.model, src, args.beam, args.lenpen, args.max_len_a, args.max_len_b)
+            cfg = self.search_cfg
+            found = search(self.model, src, cfg.beam, cfg.lenpen, cfg.max_len_a, cfg.max_len_b)
             for index, hypothesis in zip(batch, found, strict=True):
                 hypotheses[index] = hypothesis
         return hypotheses

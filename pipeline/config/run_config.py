@@ -11,17 +11,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from common.errors import ConfigError
-from common.heap import CPU_HEAPS
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.config import ModelConfig, parse_section
 from model.norms import parse_model
+from model.search import SearchConfig
 from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
-
-ON_NONFINITE = ("stop", "skip")  # train.on_nonfinite
 
 
 def check_no_tilde(path: str | None, key: str) -> None:
@@ -64,28 +62,16 @@ class DataConfig:
 
 
 @dataclass
-class ValidBleu:
+class ValidBleu(SearchConfig):
     """BLEU on the validation set at every validation (fairseq's --eval-bleu), decoded through the
     pipeline's stages with the incremental beam search (pipeline/decode.py)."""
 
     sentences: int = 0  # the first N validation sentences (0: all of them)
-    batch_size: int = 64  # sentences decoded together
-    beam: int = 4
-    lenpen: float = 1.0
-    # output length limit a x source length + b (fairseq's --eval-bleu-args example)
-    max_len_a: float = 1.2
-    max_len_b: int = 10
 
     def __post_init__(self) -> None:
-        for key in ("sentences", "batch_size", "beam", "max_len_b"):
-            least = 0 if key == "sentences" else 1
-            if getattr(self, key) < least:
-                raise ConfigError(f"train.valid_bleu.{key}: must be at least {least}, got {getattr(self, key)}")
-        if not self.max_len_a >= 0:
-            raise ConfigError(f"train.valid_bleu.max_len_a: must not be negative, got {self.max_len_a}")
-
-
-BEST_METRICS = ("loss", "bleu")  # train.best_metric
+        if self.sentences < 0:
+            raise ConfigError(f"train.valid_bleu.sentences: must be at least 0, got {self.sentences}")
+        self.check(lambda key: f"train.valid_bleu.{key}")
 
 
 @dataclass
@@ -100,7 +86,7 @@ class TrainConfig:
     # BLEU on the validation set at every validation, e.g. {"beam": 4, "lenpen": 0.6} (null: off).
     valid_bleu: ValidBleu | None = None
     # What "best" means: the lowest validation loss, or the highest validation BLEU.
-    best_metric: str = "loss"
+    best_metric: Literal["loss", "bleu"] = "loss"
     label_smoothing: float = 0.1
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
@@ -117,7 +103,7 @@ class TrainConfig:
     # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
     # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
     # (pipeline/safety/divergence.py).
-    on_nonfinite: str = "stop"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
     grad_norm_interval: int = 0
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
@@ -129,7 +115,7 @@ class TrainConfig:
     # On CPUs, what glibc does with freed tensors (common/heap.py): "keep" them in its heap for the next
     # step (1.2-1.5x faster steps at d 512), or "return" them to the system (a 1.2-1.4x lower peak, the
     # one the memory planner predicts).
-    cpu_heap: str = "keep"
+    cpu_heap: Literal["keep", "return"] = "keep"
 
     def __post_init__(self) -> None:
         if not self.save_dir.strip():
@@ -142,16 +128,12 @@ class TrainConfig:
             least = 1 if key in ("max_steps", "save_interval", "log_interval") else 0
             if getattr(self, key) < least:
                 raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
-        if self.cpu_heap not in CPU_HEAPS:
-            raise ConfigError(f"train.cpu_heap: must be {' or '.join(CPU_HEAPS)}, got {self.cpu_heap!r}")
         # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
         # scheduling delays or filesystem lag for a stopped rank.
         if not self.hang_timeout >= 10:  # also refuses NaN
             raise ConfigError(f"train.hang_timeout: must be at least 10 seconds, got {self.hang_timeout:g}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
-        if self.best_metric not in BEST_METRICS:
-            raise ConfigError(f"train.best_metric: {self.best_metric!r}; use one of {', '.join(BEST_METRICS)}")
         if self.best_metric == "bleu" and self.valid_bleu is None:
             raise ConfigError('train.best_metric: bleu needs train.valid_bleu; set it, e.g. {"beam": 4}')
         if self.valid_bleu is not None and self.valid_interval == 0:
@@ -161,8 +143,6 @@ class TrainConfig:
                 f"train.init_step: {self.init_step}; it is the step train.init_from's weights start at: set "
                 "train.init_from, and a step >= 0"
             )
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ConfigError(f"train.on_nonfinite: {self.on_nonfinite!r}; use one of {', '.join(ON_NONFINITE)}")
 
 
 @dataclass

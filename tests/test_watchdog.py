@@ -86,29 +86,36 @@ def test_hang_timeout_is_checked():
 
 
 def test_slow_steps_beside_a_live_peer_are_no_hang_and_a_longer_stall_is(tmp_path, monkeypatch):
-    """Two watchdogs in one process as ranks 0 and 1 (timeout 4 s): rank 0's steps take 3 s, rank 1 never
-    progresses. Rank 1 blames itself after 4 s; rank 0 only once it stops progressing too, and blames
-    rank 1. stop() leaves no thread and no file."""
+    """Two watchdogs as ranks 0 and 1 (timeout 4 s, a check every 0.4 s), on a clock the test moves, so
+    a loaded machine cannot shift the verdict: rank 0's steps take 3 s, rank 1 never progresses. Rank 1
+    blames itself after 4 s; rank 0 only once it stops progressing too, and blames rank 1."""
     ended: list[tuple[int, float, str]] = []
     monkeypatch.setattr(Watchdog, "end_job", lambda self, stalled, culprit: ended.append((self.rank, stalled, culprit)))
-    watchdogs = [Watchdog(tmp_path, rank, 2, hang_timeout=4).start() for rank in (0, 1)]
-    try:
-        for step in (1, 2):
-            time.sleep(3)
-            watchdogs[0].progress(f"training step {step + 1}")
-        assert [rank for rank, _, _ in ended] and {rank for rank, _, _ in ended} == {1}
-        deadline = time.monotonic() + 8
-        while not any(rank == 0 for rank, _, _ in ended) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
+    now = 0.0
+    watchdogs = [Watchdog(tmp_path, rank, 2, hang_timeout=4) for rank in (0, 1)]
+    for watchdog in watchdogs:
+        watchdog.clock = lambda: now
+        watchdog.mark = (0, "start-up", now)
+    for tick in range(1, 31):  # 12 s of checks
+        now = tick * watchdogs[0].interval
+        if tick in (8, 15):  # steps ending at 3.2 s and 6 s; none after
+            watchdogs[0].progress(f"training step {tick // 7 + 1}")
         for watchdog in watchdogs:
-            watchdog.stop()
+            watchdog.publish()
+            watchdog.check(now)
     me = f"host {socket.gethostname()}, pid {os.getpid()}"
     first = {rank: (stalled, culprit) for rank, stalled, culprit in reversed(ended)}
-    assert first[1][1] == f"rank 1 ({me}) is alive but stuck in start-up while other ranks went further"
-    assert first[0][1] == first[1][1]
-    assert 4 <= first[0][0] < 6
-    assert not any(w.thread.is_alive() for w in watchdogs) and list(tmp_path.iterdir()) == []
+    assert first[1] == (4.0, f"rank 1 ({me}) is alive but stuck in start-up while other ranks went further")
+    assert first[0][1] == first[1][1] and first[0][0] == pytest.approx(4.0)
+
+
+def test_a_started_watchdog_beats_and_stop_leaves_no_thread_and_no_file(tmp_path):
+    watchdog = Watchdog(tmp_path, 0, 1, hang_timeout=10).start()
+    try:
+        assert read_heartbeat(watchdog.path(0)).rank == 0
+    finally:
+        watchdog.stop()
+    assert not watchdog.thread.is_alive() and list(tmp_path.iterdir()) == []
 
 
 HANG = 20

@@ -112,8 +112,11 @@ class Watchdog:
         self.interval = check_interval(hang_timeout)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.beat = 0
+        self.clock = time.monotonic  # a test's own clock decides without waiting
         # (progress marks, doing, when), replaced whole so the thread never reads half an update
-        self.mark = (0, "start-up", time.monotonic())
+        self.mark = (0, "start-up", self.clock())
+        self.seen: dict[int, Seen] = {}  # the peers' heartbeats while this rank is stalled
+        self.watching_since: float | None = None
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, name="fathom-watchdog", daemon=True)
 
@@ -128,7 +131,7 @@ class Watchdog:
 
     def progress(self, doing: str) -> None:
         """Marks progress: this rank finished what it was doing and now does `doing`."""
-        self.mark = (self.mark[0] + 1, doing, time.monotonic())
+        self.mark = (self.mark[0] + 1, doing, self.clock())
 
     def stop(self) -> None:
         self.stopping.set()
@@ -152,24 +155,26 @@ class Watchdog:
             pass
 
     def run(self) -> None:
-        window = self.hang_timeout / 2
-        seen: dict[int, Seen] = {}
-        watching_since: float | None = None
         while not self.stopping.wait(self.interval):
             self.publish()
-            now = time.monotonic()
-            stalled = now - self.mark[2]
-            if stalled < window:
-                seen.clear()
-                watching_since = None
-                continue
-            watching_since = now if watching_since is None else watching_since
-            peers = [rank for rank in range(self.world_size) if rank != self.rank]
-            watch(seen, {rank: read_heartbeat(self.path(rank)) for rank in peers}, now)
-            # Decide only after watching for a whole window, even if this thread itself was held up
-            # past hang_timeout: an unchanged heartbeat means nothing over a shorter time.
-            if now - watching_since >= window:
-                self.end_job(stalled, blame(self.heartbeat(), seen, now, window / 2, self.save_dir))
+            self.check(self.clock())
+
+    def check(self, now: float) -> None:
+        """One check: after half of hang_timeout without progress this rank watches its peers'
+        heartbeats; after watching them for another half it ends the job, naming the rank to blame."""
+        window = self.hang_timeout / 2
+        stalled = now - self.mark[2]
+        if stalled < window:
+            self.seen.clear()
+            self.watching_since = None
+            return
+        self.watching_since = now if self.watching_since is None else self.watching_since
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        watch(self.seen, {rank: read_heartbeat(self.path(rank)) for rank in peers}, now)
+        # Decide only after watching for a whole window, even if this thread itself was held up
+        # past hang_timeout: an unchanged heartbeat means nothing over a shorter time.
+        if now - self.watching_since >= window:
+            self.end_job(stalled, blame(self.heartbeat(), self.seen, now, window / 2, self.save_dir))
 
     def end_job(self, stalled: float, culprit: str) -> None:
         print(

@@ -1,5 +1,5 @@
 """Numerical parity with torchscale's EncoderDecoder (pip torchscale 0.3.0): with the same weights,
-our DeepNorm and Sub-LN models compute torchscale's logits."""
+each scheme torchscale has (Post-LN, Pre-LN, DeepNorm, Sub-LN) computes torchscale's logits."""
 
 import re
 
@@ -9,7 +9,7 @@ import torch
 from model import ModelConfig, Transformer
 from tests.helpers import ROOT
 from tools.compare_training import main as compare_main
-from tools.torchscale_peer import torchscale_model
+from tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 
@@ -26,7 +26,7 @@ def torchscale_name(name: str) -> str:
     return re.sub(r"(layers\.\d+\.)(fc1|fc2|ffn_layernorm)", r"\1ffn.\2", name)
 
 
-@pytest.mark.parametrize("scheme", ["deepnorm", "sub_ln"])
+@pytest.mark.parametrize("scheme", sorted(TORCHSCALE_SCHEMES))
 @pytest.mark.parametrize("n, m", [(3, 2), (6, 6)])
 def test_same_weights_give_torchscales_outputs(scheme, n, m):
     torch.manual_seed(0)

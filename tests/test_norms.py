@@ -99,16 +99,18 @@ def test_deepnorm_init_must_be_paper_or_torchscale():
         Transformer(config("deepnorm", schemes={"deepnorm": {"init": "xavier"}}))
 
 
-def sub_ln_attention(mha, h: torch.Tensor) -> torch.Tensor:
-    """Softmax attention written out, with Sub-LN's LayerNorm before out_proj."""
+def written_attention(mha, query: torch.Tensor, key_value: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Softmax attention written out, with Sub-LN's LayerNorm before out_proj where the module has one."""
     heads = mha.num_heads
 
     def split(t):
         return t.view(t.size(0), t.size(1), heads, -1).transpose(1, 2)
 
-    q, k, v = split(mha.q_proj(h)), split(mha.k_proj(h)), split(mha.v_proj(h))
-    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1)
-    return mha.out_proj(mha.inner_attn_ln((weights @ v).transpose(1, 2).flatten(2)))
+    q, k, v = split(mha.q_proj(query)), split(mha.k_proj(key_value)), split(mha.v_proj(key_value))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return mha.out_proj(mha.inner_attn_ln((torch.softmax(scores, dim=-1) @ v).transpose(1, 2).flatten(2)))
 
 
 @pytest.mark.parametrize(
@@ -143,69 +145,71 @@ def test_t_fixup_scales_token_embeddings_per_side():
     assert embedding_std(share_all_embeddings=True) == pytest.approx([0.43869 * plain] * 2, rel=0.03)
 
 
-def manual_encoder_layer(layer: EncoderLayer, x: torch.Tensor, residual: str, a: float = 1.0) -> torch.Tensor:
-    """The paper formula for each scheme, written out over the layer's own submodules."""
-
-    def attn(h):
-        return layer.self_attn(h, h)
+def sublayers(layer, encoder_out: torch.Tensor | None) -> list[tuple]:
+    """(F, the LayerNorm beside it, its residual module) of each sublayer in order, written out."""
 
     def ffn(h):
         return layer.fc2(layer.ffn_layernorm(F.relu(layer.fc1(h))))
 
-    ln1, ln2 = layer.self_attn_layer_norm, layer.final_layer_norm
-    if residual == "sub_ln":  # Pre-LN with a LayerNorm before out_proj and before fc2
-        h = x + sub_ln_attention(layer.self_attn, ln1(x))
-        return h + ffn(ln2(h))
-    if residual == "pre":
-        h = x + attn(ln1(x))
-        return h + ffn(ln2(h))
-    if residual == "plain":  # T-Fixup: x + F(x), no LayerNorm
-        h = x + attn(x)
-        return h + ffn(h)
-    if residual == "rezero":  # x + w F(x), no LayerNorm
-        h = x + layer.self_attn_residual.weight * attn(x)
-        return h + layer.ffn_residual.weight * ffn(h)
-    if residual == "admin":  # LN(x * omega + F(x)), omega a vector per sublayer
-        h = ln1(x * layer.self_attn_residual.omega + attn(x))
-        return ln2(h * layer.ffn_residual.omega + ffn(h))
-    if residual == "post_alpha":  # DeepNorm: LN(alpha * x + F(x))
-        h = ln1(a * x + attn(x))
-        return ln2(a * h + ffn(h))
-    h = ln1(x + a * attn(x))  # BranchNorm: LN(x + alpha_t F(x)); Post-LN is alpha_t = 1
-    return ln2(h + a * ffn(h))
+    if encoder_out is None:
+        attention = [(lambda h: written_attention(layer.self_attn, h, h), layer.self_attn_layer_norm,
+                      layer.self_attn_residual)]  # fmt: skip
+    else:
+        attention = [
+            (lambda h: written_attention(layer.self_attn, h, h, causal=True), layer.self_attn_layer_norm,
+             layer.self_attn_residual),
+            (lambda h: written_attention(layer.encoder_attn, h, encoder_out), layer.encoder_attn_layer_norm,
+             layer.encoder_attn_residual),
+        ]  # fmt: skip
+    return [*attention, (ffn, layer.final_layer_norm, layer.ffn_residual)]
 
 
+def written_layer(layer, x: torch.Tensor, formula: str, a: float = 1.0, encoder_out=None) -> torch.Tensor:
+    """The paper's formula for each scheme, applied sublayer by sublayer over the layer's own modules."""
+    for branch, ln, residual in sublayers(layer, encoder_out):
+        if formula == "pre":  # Pre-LN, and Sub-LN (whose extra LayerNorms sit inside F)
+            x = x + branch(ln(x))
+        elif formula == "plain":  # T-Fixup: x + F(x), no LayerNorm
+            x = x + branch(x)
+        elif formula == "rezero":  # x + w F(x), no LayerNorm
+            x = x + residual.weight * branch(x)
+        elif formula == "admin":  # LN(x * omega + F(x)), omega a vector per sublayer
+            x = ln(x * residual.omega + branch(x))
+        elif formula == "post_alpha":  # DeepNorm: LN(alpha * x + F(x))
+            x = ln(a * x + branch(x))
+        else:  # BranchNorm: LN(x + alpha_t F(x)); Post-LN is alpha_t = 1
+            x = ln(x + a * branch(x))
+    return x
+
+
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
-def test_encoder_layer_follows_formula(scheme):
+def test_layer_follows_formula(scheme, side):
     torch.manual_seed(0)
     cfg = config(scheme, schemes={"branchnorm": {"T": 8}})
-    layer = EncoderLayer(cfg).eval()
+    layer = (EncoderLayer if side == "encoder" else DecoderLayer)(cfg).eval()
     ScheduleHook(layer)(2)
     x = torch.randn(2, 5, 32)
-    src = torch.randint(4, 30, (2, 5))
-    if scheme == "pre_ln":
-        expected = manual_encoder_layer(layer, x, "pre")
-    elif scheme == "deepnorm":
-        expected = manual_encoder_layer(layer, x, "post_alpha", deepnorm_constants(3, 2, "encoder")[0])
-    elif scheme == "branchnorm":
-        expected = manual_encoder_layer(layer, x, "post", 0.25)
-    elif scheme == "sub_ln":
-        expected = manual_encoder_layer(layer, x, "sub_ln")
-    elif scheme == "t_fixup":
-        expected = manual_encoder_layer(layer, x, "plain")
-    elif scheme == "rezero":
-        with torch.no_grad():  # away from the initial 0, where every branch is invisible
-            layer.self_attn_residual.weight.fill_(0.3)
-            layer.ffn_residual.weight.fill_(-0.7)
-        expected = manual_encoder_layer(layer, x, "rezero")
-    elif scheme == "admin":
-        with torch.no_grad():  # as a profiling pass leaves them: away from 1, where Admin is Post-LN
-            layer.self_attn_residual.omega.uniform_(0.5, 2.0)
-            layer.ffn_residual.omega.uniform_(0.5, 2.0)
-        expected = manual_encoder_layer(layer, x, "admin")
-    else:
-        expected = manual_encoder_layer(layer, x, "post")
-    torch.testing.assert_close(layer(x, src), expected, rtol=0, atol=1e-6)
+    src = torch.randint(4, 30, (2, 5 if side == "encoder" else 6))  # no padding
+    encoder_out = None if side == "encoder" else torch.randn(2, 6, 32)
+    formula, a = {
+        "pre_ln": ("pre", 1.0),
+        "sub_ln": ("pre", 1.0),
+        "deepnorm": ("post_alpha", deepnorm_constants(3, 2, side)[0]),
+        "branchnorm": ("post", 0.25),  # alpha_t at t = 2 of T = 8
+        "t_fixup": ("plain", 1.0),
+        "rezero": ("rezero", 1.0),
+        "admin": ("admin", 1.0),
+    }.get(scheme, ("post", 1.0))
+    with torch.no_grad():
+        for _, _, residual in sublayers(layer, encoder_out):
+            if scheme == "rezero":  # away from the initial 0, where every branch is invisible
+                residual.weight.uniform_(-1.0, 1.0)
+            if scheme == "admin":  # as a profiling pass leaves them: away from 1, where Admin is Post-LN
+                residual.omega.uniform_(0.5, 2.0)
+    expected = written_layer(layer, x, formula, a, encoder_out)
+    got = layer(x, src) if side == "encoder" else layer(x, encoder_out, src)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
 def test_rezero_starts_as_the_identity_without_layer_norms():

@@ -1,6 +1,6 @@
 """Training throughput on this machine, in one process: the matmul peak at the chosen precision, our model
 in a plain PyTorch loop, and optionally torchscale's EncoderDecoder (same config and loop) and DeepSpeed's
-pipeline engine at 1 stage (same model and batch). How each is measured: tools/bench.py.
+pipeline engine at 1 stage (same model and batch). How each is measured: tools/training_speed.py.
 
     python scripts/bench.py --layers 6 --dim 512 --ffn 2048 --heads 8 --vocab 8000 --batch 8 \\
         --src-len 64 --tgt-len 64 --precision fp32 --compare torchscale,deepspeed [--depths 12,50] [--json OUT]
@@ -27,8 +27,8 @@ from common.files import check_writable_file, write_atomic
 from model.config import ModelConfig
 from pipeline.config.deepspeed_values import native_bf16_cpu
 from pipeline.launched import run_launched
-from tools.bench import PRECISIONS, Bench, Result, check, matmul_peak, run, synthetic_batch, with_peak
 from tools.stage_balance import StageTime, stage_times
+from tools.training_speed import PRECISIONS, Bench, Result, check, matmul_peak, run, synthetic_batch, with_peak
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

@@ -1,6 +1,6 @@
-"""What reseeding dropout at every layer costs: see tools/bench_masks.py."""
+"""What reseeding dropout at every layer costs: see tools/mask_speed.py."""
 
-from tools.bench_masks import main
+from tools.mask_speed import main
 
 if __name__ == "__main__":
     main()

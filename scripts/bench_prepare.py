@@ -1,6 +1,6 @@
-"""Data preparation speed and memory, side by side with fairseq's pipeline: see tools/bench_prepare.py."""
+"""Data preparation speed and memory, side by side with fairseq's pipeline: see tools/preparation_speed.py."""
 
-from tools.bench_prepare import main
+from tools.preparation_speed import main
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,7 @@ from model import ModelConfig, Transformer
 from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
 from tests.helpers import ROOT
-from tools.bench import model_flops, synthetic_batch
+from tools.training_speed import model_flops, synthetic_batch
 
 
 @pytest.mark.parametrize("n, m, src_len, tgt_len", [(2, 2, 16, 16), (3, 1, 12, 20)])

@@ -33,7 +33,7 @@ from pipeline.deepspeed_internals import (
 from pipeline.specs import layer_specs
 from pipeline.train import build_engine
 from tests.helpers import ROOT
-from tools.bench import init_single_process, synthetic_batch
+from tools.training_speed import init_single_process, synthetic_batch
 
 
 def test_another_deepspeed_version_is_one_line(capsys):

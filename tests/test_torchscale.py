@@ -8,8 +8,8 @@ import torch
 
 from model import ModelConfig, Transformer
 from tests.helpers import ROOT
-from tools.compare_training import main as compare_main
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
+from tools.training_comparison import main as compare_main
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 

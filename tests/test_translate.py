@@ -16,7 +16,7 @@ from corpus.dataset import PreparedData
 from corpus.prepare import main as prepare_main
 from model import ModelConfig, Transformer
 from tests.helpers import ROOT, write_run, write_slice
-from tools.bench_translate import main as bench_translate_main
+from tools.translation_speed import main as bench_translate_main
 from translation.generate import main as generate_main
 from translation.generate import parse_args as parse_generate_args
 from translation.generate import translate as generate_translate

@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.loss import label_smoothed_cross_entropy
 from model.parts import build_parts, model_parts
 from pipeline.partition import stage_bounds
-from tools.bench import time_steps
+from tools.training_speed import time_steps
 
 
 @dataclass

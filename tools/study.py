@@ -31,8 +31,8 @@ from model.norms import SCHEMES
 from pipeline.config.history import flat, read_back
 from pipeline.config.run_config import RunConfig, read_json, with_vocab
 from pipeline.safety.divergence import NONFINITE_EXIT
-from tools.bench_prepare import cpu
 from tools.figures import pyplot
+from tools.preparation_speed import cpu
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
     BASELINE_FILE,

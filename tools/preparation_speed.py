@@ -44,8 +44,8 @@ from common.run_layout import META_FILE
 from corpus.prepare import SPM_SAMPLE
 from corpus.subwords import TRAINING_THREADS
 from corpus.text import read_lines
-from tools.bench_translate import FAIRSEQ_ENV
 from tools.standin_corpus import MULTI30K, write_standin
+from tools.translation_speed import FAIRSEQ_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fathom", "fairseq")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common.run_layout import latest_tag
 from pipeline.checkpoint.reshape import converter_command, universal_tag
-from tools.bench_prepare import Measured, cpu, mib, run_sampled
+from tools.preparation_speed import Measured, cpu, mib, run_sampled
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")

@@ -7,6 +7,25 @@ import pytest
 
 from tests.helpers import ROOT, write_slice
 
+REAL_POPEN_INIT = subprocess.Popen.__init__
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The fast tier (`-m "not slow"`) starts no process, not even in a fixture it sets up: a test that
+    launches a job or a script, or trains, is marked slow (docs/TESTS.md), and this keeps it so."""
+    if item.get_closest_marker("slow") is None:
+
+        def refuse(self, args, *rest, **kwargs):
+            raise AssertionError(f"{item.nodeid} starts a process ({args!r:.120}): mark it @pytest.mark.slow")
+
+        subprocess.Popen.__init__ = refuse
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    subprocess.Popen.__init__ = REAL_POPEN_INIT
+
 
 @pytest.fixture
 def root() -> Path:

@@ -137,6 +137,7 @@ def test_tags_name_the_output_after_their_steps_and_force_replaces_it(run, capsy
     assert not [p for p in run.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE]  # no staging left
 
 
+@pytest.mark.slow
 def test_the_script_averages(run, root):
     result = subprocess.run(
         [sys.executable, "scripts/average_checkpoints.py", "--checkpoint", str(run), "--tags", "best", "global_step9"],
@@ -147,6 +148,7 @@ def test_the_script_averages(run, root):
     assert global_step(run / "avg_9_best") == 12
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_leaves_no_tag(run, root):
     """torch's zip writer reported a failed write as `RuntimeError: unexpected pos`, a traceback."""
     before = snapshot(run)

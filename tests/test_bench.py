@@ -36,6 +36,7 @@ def test_synthetic_batch_is_full_length_without_padding():
     assert torch.equal(prev[:, 1:], target[:, :-1])  # the decoder reads the target shifted right
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [

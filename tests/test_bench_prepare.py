@@ -81,6 +81,7 @@ def test_the_standin_corpus_is_deterministic_line_aligned_and_reused(tmp_path):
     assert not [p for p in first.parent.iterdir() if p.name != "corpus"]  # no staging left behind
 
 
+@pytest.mark.slow
 def test_peak_memory_sums_the_process_tree(tmp_path):
     """A parent that only waits for a child that holds 200 MB: the child's memory is the tree's."""
     child = "import time; block = b'x' * (200 << 20); time.sleep(1.5)"
@@ -90,6 +91,7 @@ def test_peak_memory_sums_the_process_tree(tmp_path):
     assert measured.seconds > 1.5
 
 
+@pytest.mark.slow
 def test_both_systems_prepare_the_corpus_end_to_end(tmp_path, capsys, fairseq_bin):
     work, results = tmp_path / "work", tmp_path / "bench.json"
     argv = [

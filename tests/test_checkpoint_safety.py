@@ -66,6 +66,7 @@ def latest_file(run: Path, pattern: str) -> Path:
     return sorted((run / saving.latest_tag(run)).glob(pattern))[-1]
 
 
+@pytest.mark.slow
 def test_checkpoints_are_committed_whole(trained):
     assert saving.latest_tag(trained) == "global_step2"
     for tag in ("global_step1", "global_step2"):
@@ -77,6 +78,7 @@ def test_checkpoints_are_committed_whole(trained):
             assert entry["zip"] and file_damage(trained / tag / name, entry, read=True) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
@@ -108,6 +110,7 @@ def test_resume_refuses_another_model_or_layout(capsys, monkeypatch, run, multi3
     assert message in resume_fails(capsys, monkeypatch, run, multi30k_slice, *overrides, world_size=world_size)
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, multi30k_slice):
     layer = latest_file(run, "layer_*")
     with open(layer, "r+b") as f:
@@ -122,6 +125,7 @@ def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, mu
 ONE_STAGE = ["pipeline.stages=1", "gradient_accumulation_steps=2"]  # the run's batches as 1 stage x 2 replicas
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_shape_refuses_a_damaged_checkpoint(capsys, monkeypatch, run, multi30k_slice):
     optimizer = latest_file(run, "zero_pp_rank_*")
     with open(optimizer, "r+b") as f:
@@ -129,6 +133,7 @@ def test_a_resume_on_another_shape_refuses_a_damaged_checkpoint(capsys, monkeypa
     assert "bytes, but" in resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_shape_into_a_save_dir_in_use_is_one_line(capsys, monkeypatch, run, multi30k_slice):
     running = RunDirectory(run, rank=0)
     running.open()  # what a running job's rank 0 holds
@@ -138,6 +143,7 @@ def test_a_resume_on_another_shape_into_a_save_dir_in_use_is_one_line(capsys, mo
         running.close()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_recorded_shape_or_partitions_resumes_only_on_its_shape(
     capsys, monkeypatch, run, multi30k_slice
 ):
@@ -153,6 +159,7 @@ def test_a_checkpoint_without_a_recorded_shape_or_partitions_resumes_only_on_its
     assert "global_step2 was written as 2 stages x 1 replica before fathom reshaped checkpoints; resume as" in err
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_latest_naming_nothing(capsys, monkeypatch, run, multi30k_slice):
     (run / saving.LATEST).write_text("global_step99")
     assert "names 'global_step99', which does not exist" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
@@ -168,6 +175,7 @@ def other_dictionary(multi30k_slice, tmp_path) -> Path:
     return data
 
 
+@pytest.mark.slow
 def test_resume_and_generate_refuse_a_dictionary_the_run_was_not_trained_with(
     capsys, monkeypatch, run, other_dictionary
 ):
@@ -211,6 +219,7 @@ def test_checkpoint_files_cannot_run_code(tmp_path):
         load_file(tmp_path / "garbage.pt")
 
 
+@pytest.mark.slow
 def test_deepspeed_optimizer_state_loads_without_unpickling_code(trained):
     state = saving.CommittingCheckpointEngine(True).load(str(latest_file(trained, "zero_pp_rank_*")))
     assert state["optimizer_state_dict"]["zero_stage"] == 1
@@ -259,6 +268,7 @@ def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice, capsy
     assert "Traceback" not in output and not fresh.exists(), "a failed start left its save_dir behind"
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(run, multi30k_slice):
     """torch's zip writer reports a full disk as `RuntimeError: unexpected pos`, a traceback on every
     rank; a file size limit makes the layer files of step 3 fail as a full disk would."""
@@ -277,6 +287,7 @@ def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(ru
     assert result.returncode == 0 and saving.latest_tag(run) == "global_step3"
 
 
+@pytest.mark.slow
 def test_resume_drops_a_metrics_line_torn_by_a_crash(run, multi30k_slice):
     """A crash while rank 0 appends to metrics.jsonl leaves its last line cut short: --resume goes on,
     dropping it with one warning, and the log ends whole."""
@@ -323,6 +334,7 @@ def test_resume_refuses_another_precision_through_the_launcher(multi30k_slice, t
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_start_setting(capsys, monkeypatch, run, trained, multi30k_slice):
     """train.init_from acts when a run starts: on a resume it was ignored without a word."""
     err = resume_fails(capsys, monkeypatch, run, multi30k_slice, f"train.init_from={trained}")

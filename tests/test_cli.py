@@ -48,6 +48,7 @@ def plot_metrics(run, *args) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torn", [False, True])
 def test_plot_metrics_writes_a_png(tmp_path, torn):
     """A crash while rank 0 appends a line leaves it cut short: the plot leaves it out, with a warning."""
@@ -62,6 +63,7 @@ def test_plot_metrics_writes_a_png(tmp_path, torn):
     assert len(warnings) == int(torn) and all("line 22 is cut short" in w for w in warnings), result.stderr
 
 
+@pytest.mark.slow
 def test_plot_metrics_refuses_a_log_damaged_before_its_end(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo\n{"step": 3, "loss": 4.0}\n')
     result = plot_metrics(tmp_path)
@@ -72,6 +74,7 @@ def test_plot_metrics_refuses_a_log_damaged_before_its_end(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["", '{"step": 1, "lo', '{"step": 1, "valid_loss": 5.0}\n'])
 def test_plot_metrics_refuses_a_run_with_no_step_logged(tmp_path, text):
     """It drew empty axes and exited 0: a run that had not logged yet looked like one that learned nothing."""
@@ -82,6 +85,7 @@ def test_plot_metrics_refuses_a_run_with_no_step_logged(tmp_path, text):
     assert not (tmp_path / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_the_documented_scheme_table_is_the_registrys():
     result = subprocess.run([sys.executable, "scripts/list_schemes.py"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -90,6 +94,7 @@ def test_the_documented_scheme_table_is_the_registrys():
     assert result.stdout.strip() in table.read_text(), f"regenerate {table}'s table with this script"
 
 
+@pytest.mark.slow
 def test_plot_metrics_refuses_an_output_it_cannot_write(tmp_path):
     """Each was a traceback after plotting, and /dev/full an exit 0 with nothing written."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
@@ -104,6 +109,7 @@ def test_plot_metrics_refuses_an_output_it_cannot_write(tmp_path):
     assert result.returncode == 0 and (tmp_path / "loss.PDF").read_bytes()[:5] == b"%PDF-"
 
 
+@pytest.mark.slow
 def test_plot_metrics_never_writes_over_the_log_it_plots(tmp_path):
     """However --out is spelled: here a hard link to metrics.jsonl, named like an image."""
     log = tmp_path / "metrics.jsonl"
@@ -117,6 +123,7 @@ def test_plot_metrics_never_writes_over_the_log_it_plots(tmp_path):
     assert log.read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
+@pytest.mark.slow
 def test_plot_metrics_without_matplotlib_is_one_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     result = subprocess.run([sys.executable, "scripts/plot_metrics.py", str(tmp_path)], cwd=ROOT, capture_output=True,

@@ -17,6 +17,7 @@ from tests.helpers import ROOT, final_layers, launch, logged_steps
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
 
+@pytest.mark.slow
 def test_compiled_layers_compute_what_eager_layers_compute():
     """Single process, two sentence lengths (the second compiles for dynamic shapes): the same logits
     and gradients, and the same parameter names (checkpoints do not change)."""

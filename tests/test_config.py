@@ -206,6 +206,7 @@ def test_a_save_dir_that_is_a_file_is_one_line(tmp_path, capsys, monkeypatch):
         "afile", "exp.json"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_save_dir_through_a_dangling_link_is_one_line(tmp_path):
     """A link to a directory that does not exist (an unmounted disk, a moved folder) said only `File exists`."""
     (tmp_path / "run").symlink_to(tmp_path / "unmounted" / "run")
@@ -343,6 +344,7 @@ def test_overrides_take_dotted_keys_and_json_values(tmp_path):
     assert cfg.model.schemes["branchnorm"] == {"T": 100, "growth": "sigmoid"}
 
 
+@pytest.mark.slow
 def test_the_launcher_exits_nonzero_on_a_bad_config(tmp_path):
     path = write_config(tmp_path, set_key(["model", "decoder_layer"], 2))
     result = launch(ROOT / "scripts" / "train.py", "--config", str(path))
@@ -369,6 +371,7 @@ def test_a_port_in_use_is_one_line_and_leaves_no_save_dir(tmp_path):
     assert "Traceback" not in output and not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.slow
 def test_plain_python_exits_2_with_one_line(tmp_path):
     path = write_config(tmp_path, set_key(["pipeline", "stages"], 99))
     result = subprocess.run(

@@ -133,6 +133,7 @@ def test_validation_made_of_training_pairs_is_refused_and_overlap_warned(tmp_pat
     assert f"fathom: warning: valid ({valid}): 5 of 25 pairs are training pairs too" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_that_does_not_blame_the_vocabulary(tmp_path):
     """SentencePiece cannot read back a model it could not write whole; the line said: smaller --vocab-size."""
     train, valid = write_slice(tmp_path, "train", 100), write_slice(tmp_path, "val", 20)

@@ -51,6 +51,7 @@ def test_setup_pins_the_supported_version():
     assert f"deepspeed=={SUPPORTED_VERSION}" in (ROOT / "setup.cfg").read_text()
 
 
+@pytest.mark.slow
 def test_each_internal_does_what_fathom_relies_on(monkeypatch):
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         # init_single_process sets these; left in this process's environment, later tests' subprocesses
@@ -112,6 +113,7 @@ def test_each_internal_does_what_fathom_relies_on(monkeypatch):
     assert engine.loss is None
 
 
+@pytest.mark.slow
 def test_reading_translating_and_converting_do_not_import_deepspeed():
     """DeepSpeed is the training engine only: the model, data preparation, checkpoint reading,
     translation and conversion import without it (its logger writes to stdout, and a machine that only

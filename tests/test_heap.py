@@ -33,6 +33,7 @@ FREED_AND_HELD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice, held", [("keep", (150, 260)), ("return", (-50, 50))])
 def test_freed_tensors_stay_in_the_heap_or_go_back_to_the_system(choice, held):
     """With "keep" the 200 MiB just freed stay resident for the next step's tensors (no page faults);

@@ -110,6 +110,7 @@ def processes(tmp_path, *flags, text="worker-0 slots=4\nworker-1 slots=2\n"):
     return launch.launched_processes(args)
 
 
+@pytest.mark.slow
 def test_world_size_follows_the_runners_resource_rules(tmp_path):
     assert processes(tmp_path) == 6
     assert processes(tmp_path, "--include", "worker-0:0,1@worker-1") == 4

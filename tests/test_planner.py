@@ -113,6 +113,7 @@ def test_fewest_stages_that_fit(interval):
         assert smallest_stage_count(cfg, traces, shape, budget) == fewest, budget
 
 
+@pytest.mark.slow
 def test_sizes_and_bad_input():
     assert parse_size("80GB") == 80 * 10**9 and parse_size("40GiB") == 40 * GiB and parse_size("512") == 512 * 10**9
     result = subprocess.run(

@@ -180,6 +180,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_corpus(tmp_path):
     """Ten times the pairs, the same peak: nothing holds the corpus (one process, the same sample)."""
     peaks = {}

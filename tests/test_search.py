@@ -97,6 +97,7 @@ def assert_same_hypotheses(got, want):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beam", [1, 4])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_incremental_search_equals_full_recompute(scheme, beam):
@@ -107,6 +108,7 @@ def test_incremental_search_equals_full_recompute(scheme, beam):
     assert_ends_vary(want, 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share", ["all", "decoder+learned_pos"])
 def test_incremental_search_with_shared_tables_and_learned_positions(share):
     model = briefly_trained(
@@ -121,6 +123,7 @@ def test_incremental_search_with_shared_tables_and_learned_positions(share):
     assert_ends_vary(want, 5)
 
 
+@pytest.mark.slow
 def test_caches_that_grow_mid_search(monkeypatch):
     """A cache starts with room for FIRST_CAPACITY positions and doubles it: growing while beams are
     re-ranked and sentences leave the batch keeps every prefix."""
@@ -142,6 +145,7 @@ class CountingDecoder(ModelDecoder):
         return super().step(tokens, choose)
 
 
+@pytest.mark.slow
 def test_finished_sentences_leave_the_batch():
     model, src = briefly_trained("post_ln"), batch_of(SOURCES)
     decoder = CountingDecoder(model, src, 4)
@@ -175,6 +179,7 @@ def test_bf16_model_decodes_like_fp32():
     assert sum(a.tokens == b.tokens for a, b in zip(fp32, bf16, strict=True)) >= len(SOURCES) - 2
 
 
+@pytest.mark.slow
 def test_memorized_pairs_are_reproduced_exactly():
     pairs = [(s, [t + 1 for t in reversed(s)]) for s in SOURCES[:5]]
     model = tiny_model(4).train()

@@ -126,6 +126,7 @@ def test_a_variant_of_no_overrides_is_the_base_configs_cell():
     assert [c.name for c in cells(spec)] == ["branchnorm-6L", "branchnorm-6L-T3"]
 
 
+@pytest.mark.slow
 def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path, multi30k_slice):
     """Its report draws: the study trained for hours, then ended in a ModuleNotFoundError traceback."""
     path = write_study(tmp_path, multi30k_slice)

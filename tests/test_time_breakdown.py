@@ -1,5 +1,7 @@
 """train.time_breakdown: each pipeline instruction's time per step and rank, logged and summed up."""
 
+import pytest
+
 from common.jsonl import read_jsonl
 from common.run_layout import TIME_BREAKDOWN_FILE
 from tests.helpers import ROOT, launch
@@ -7,6 +9,7 @@ from tests.helpers import ROOT, launch
 STEPS = 5
 
 
+@pytest.mark.slow
 def test_a_two_stage_run_logs_where_each_ranks_step_went(tmp_path):
     """Every step has both ranks' times; each stage spends time in exactly the instructions its place
     in the pipeline gives it (stage 0 sends activations and receives gradients, stage 1 the reverse),

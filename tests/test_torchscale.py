@@ -77,6 +77,7 @@ def test_torchscale_init_has_torchscales_weight_scales(scheme):
     assert checked == len(theirs) - 3  # all but the shared token embedding and the two position tables
 
 
+@pytest.mark.slow
 def test_compare_training_measures_both_models(multi30k_slice, capsys):
     """scripts/compare_training.py: each model's validation loss with real and shuffled sources and
     its encoder spread at the requested steps."""

@@ -51,6 +51,7 @@ def translate(capsys, monkeypatch, run, data, stdin: bytes, *args):
     return capsys.readouterr()
 
 
+@pytest.mark.slow
 def test_translations_keep_input_order_and_empty_lines(capsys, monkeypatch, run, multi30k_slice):
     lines = source_lines(multi30k_slice)
     lines.insert(3, "")
@@ -64,6 +65,7 @@ def test_translations_keep_input_order_and_empty_lines(capsys, monkeypatch, run,
     assert first == batched[5] + "\n"
 
 
+@pytest.mark.slow
 def test_translate_equals_generate_on_a_prepared_split(capsys, monkeypatch, run, multi30k_slice, tmp_path):
     """Raw text through SentencePiece and the dictionary gives prepare_data's token ids: the same hypotheses
     and the same scores as generate.py on the binarized split."""
@@ -86,6 +88,7 @@ def test_a_line_too_long_for_the_model_is_cut_with_one_warning(capsys, monkeypat
     assert len(warnings) == 1 and "line 2:" in warnings[0] and "cut to the model's 23" in warnings[0]
 
 
+@pytest.mark.slow
 def test_stdout_holds_only_translations(run, multi30k_slice):
     """Through the script, as a user pipes it: nothing but one translation a line on stdout (no library
     logging), and translating does not import DeepSpeed."""
@@ -146,6 +149,7 @@ def test_a_data_directory_of_another_vocabulary_is_refused(capsys, monkeypatch, 
 SEPARATORS = "\u2028\u2029\x85\x0c\x1c\x1d\x1e\x0b"  # str.splitlines splits on each; a corpus line may hold them
 
 
+@pytest.mark.slow
 def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp_path):
     """Text is split on newlines only, from prepare_data to the references generate.py scores against and
     translate.py's input: a separator inside a line must not shift the references against the hypotheses."""
@@ -286,6 +290,7 @@ def test_an_output_is_never_one_of_the_commands_own_inputs(capsys, monkeypatch, 
     assert exc.value.code == 2 and f"--output refs.en: is the same file as the references {references}" in err, err
 
 
+@pytest.mark.slow
 def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path):
     """write_atomic wrote every output through one fixed temporary name: two processes writing the same
     output renamed each other's file away (FileNotFoundError), e.g. two runs decoding into one file."""

@@ -4,7 +4,7 @@ A training step and a beam-search position both free and allocate the same large
 again. Handed back and mapped afresh each time, every page of them faults in anew: beam search ran
 1.5-1.8x slower (the Multi30k model inside a training run), and a training step of 6L-6L d 512
 1.2x slower in fp32 and 1.5x in bf16 (docs/BENCHMARKS.md). Kept in the heap, they cost a higher peak
-instead (1.2-1.4x the resident memory). Training chooses with `train.cpu_heap`; decoding always keeps
+instead (1.2-1.5x the resident memory). Training chooses with `train.cpu_heap`; decoding always keeps
 them. GPU memory is CUDA's and unaffected.
 """
 

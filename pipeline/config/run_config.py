@@ -113,8 +113,8 @@ class TrainConfig:
     # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/safety/time_breakdown.py).
     time_breakdown: bool = False
     # On CPUs, what glibc does with freed tensors (common/heap.py): "keep" them in its heap for the next
-    # step (1.2-1.5x faster steps at d 512), or "return" them to the system (a 1.2-1.4x lower peak, the
-    # one the memory planner predicts).
+    # step (faster), or "return" them to the system (a lower peak, the one the memory planner predicts);
+    # measured in docs/BENCHMARKS.md, "The CPU heap".
     cpu_heap: Literal["keep", "return"] = "keep"
 
     def __post_init__(self) -> None:

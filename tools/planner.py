@@ -27,6 +27,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, exit_on_config_error
 from common.run_layout import MEMORY_FILE
+from pipeline.config.deepspeed_values import accumulation
 from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.partition import stage_bounds
 from pipeline.safety.memory import GiB, MeasuredPeak
@@ -110,7 +111,7 @@ def estimate_stages(
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
     interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
-    micro_batches = cfg.deepspeed.get("gradient_accumulation_steps", 1)
+    micro_batches = accumulation(cfg.deepspeed, data_parallel)
     zero = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
     flatten = per_param.flatten if zero or data_parallel > 1 else 0  # pipeline/train.py's build_engine
     estimates = []
@@ -169,7 +170,7 @@ def smallest_stage_count(
         return max(s.peak for s in estimate_stages(cfg, traces, shape, stages, data_parallel, device)) <= memory
 
     most = cfg.model.encoder_layers + cfg.model.decoder_layers
-    low = min(cfg.deepspeed.get("gradient_accumulation_steps", 1), most)
+    low = min(accumulation(cfg.deepspeed, data_parallel), most)
     for stages in range(1, low + 1):
         if fits(stages):
             return stages
@@ -239,7 +240,7 @@ def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShap
     lines = [
         f"{precision(cfg)}, ZeRO stage {cfg.deepspeed.get('zero_optimization', {}).get('stage', 0)}, "
         f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
-        f"tokens, {cfg.deepspeed.get('gradient_accumulation_steps', 1)} per step, activation checkpoint interval "
+        f"tokens, {accumulation(cfg.deepspeed, data_parallel)} per step, activation checkpoint interval "
         f"{cfg.deepspeed['pipeline'].get('activation_checkpoint_interval', 0)}",
         f"{'stage':>5} {'layers':>11} {'params':>13} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
         f"{'step tmp':>8} {'peak GiB':>8}",

@@ -24,7 +24,7 @@ from common.jsonl import read_jsonl
 from common.run_layout import METRICS_FILE
 from model.config import parse_section
 from model.search import SearchConfig
-from pipeline.checkpoint import saving
+from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def warmup_steps(cfg: RunConfig) -> int:
 
 def accumulation(cfg: RunConfig) -> int:
     """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
-    return saving.accumulation(cfg.deepspeed, replicas=1)
+    return deepspeed_values.accumulation(cfg.deepspeed, replicas=1)
 
 
 def set_lr(lr: float, cfg: RunConfig) -> list[str]:

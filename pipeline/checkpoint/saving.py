@@ -50,6 +50,7 @@ from corpus.batches import ParallelCorpus
 from corpus.dataset import PreparedData, check_vocab
 from model.trained import check_same_model, model_config
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
+from pipeline.config.deepspeed_values import accumulation
 from pipeline.config.history import flat, read_back, shown
 from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
@@ -234,15 +235,6 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     checkpoint = save_dir / latest_tag(save_dir)
     check_optimizer_state(save_dir, checkpoint, cfg.deepspeed)
     check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size)
-
-
-def accumulation(ds: dict[str, Any], replicas: int) -> int:
-    """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given."""
-    if "gradient_accumulation_steps" in ds:
-        return ds["gradient_accumulation_steps"]
-    if "train_batch_size" in ds:
-        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * replicas)
-    return 1
 
 
 def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int) -> None:

@@ -201,3 +201,12 @@ def check_partition(partition: Any, cfg: ModelConfig) -> None:
         raise ConfigError(
             f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"
         )
+
+
+def accumulation(ds: dict[str, Any], replicas: int) -> int:
+    """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given."""
+    if "gradient_accumulation_steps" in ds:
+        return ds["gradient_accumulation_steps"]
+    if "train_batch_size" in ds:
+        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * replicas)
+    return 1

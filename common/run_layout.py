@@ -71,6 +71,12 @@ def run_record(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in RUN_RECORDS)
 
 
+def reserved_name(name: str) -> bool:
+    """Whether training may write `name` into SAVE_DIR: a record, or a tag it names its checkpoints by
+    (any global_step* or best_global_step* name, finished or not)."""
+    return run_record(name) or name.startswith((step_tag(""), best_tag("")))
+
+
 def deepspeed_state_types() -> list[type]:
     """The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
     torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.

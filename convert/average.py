@@ -43,7 +43,6 @@ import torch
 from common.errors import ConfigError, exit_on_config_error
 from common.files import fsync_dir, save_file, staged
 from common.run_layout import (
-    BEST,
     CONFIG_FILE,
     MODEL_STATES,
     committed,
@@ -55,7 +54,7 @@ from common.run_layout import (
     load_file,
     plain_name,
     read_manifest,
-    run_record,
+    reserved_name,
     schedule_step,
     tag_step,
 )
@@ -141,7 +140,7 @@ def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool
     something else: a training checkpoint, `latest`, `best`."""
     if not plain_name(tag):
         raise ConfigError(f"--out-tag: '{tag}' is not a folder name; pass a plain name such as avg_last5")
-    if run_record(tag) or tag.startswith(("global_step", f"{BEST}_global_step")):
+    if reserved_name(tag):
         raise ConfigError(
             f"--out-tag: '{tag}' is a name the run keeps for its checkpoints, links or records; "
             "choose another, such as avg_last5"

@@ -1,2 +1,2 @@
-"""What every package uses and none owns: the one-line error, whole-or-nothing files, the run
+"""What every package uses and none owns: the one-line error, typed config sections, whole-or-nothing files, the run
 directory's layout, JSON-lines logs, CPU heap settings, a free port. Imports no other fathom package."""

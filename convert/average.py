@@ -58,7 +58,7 @@ from common.run_layout import (
     schedule_step,
     tag_step,
 )
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.trained import missing_layer_files, model_config, saved_layers
 
 SUMMARY = "fathom_average.json"

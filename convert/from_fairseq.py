@@ -22,7 +22,7 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import check_output_dir, save_file, staged
 from common.run_layout import CONFIG_FILE, LATEST, layer_file
 from convert.to_fairseq import fairseq_key
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.parts import model_parts
 
 TAG = "fairseq"

@@ -35,8 +35,8 @@ from common.files import check_output_dir, save_file, staged
 from common.run_layout import checkpoint_dir, layer_file, load_file, schedule_step
 from corpus.batches import collate
 from corpus.dataset import BinarizedCorpus, check_vocab
-from model.config import PAD, ModelConfig
 from model.fold import folded
+from model.model_config import PAD, ModelConfig
 from model.norms import SCHEMES, ScheduleHook, build_scheme
 from model.parts import Part, build_parts, model_parts
 from model.trained import missing_layer_files, model_config

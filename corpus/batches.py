@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError
-from model.config import EOS, NUM_SPECIAL, PAD
+from model.model_config import EOS, NUM_SPECIAL, PAD
 
 MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 

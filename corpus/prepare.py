@@ -35,7 +35,7 @@ from corpus import subwords
 from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Filters, Workers, encode_chunk, id_dtype, remap
 from corpus.dataset import Dictionary, PreparedData, file_record
 from corpus.text import decode_line, find_file, raw_lines
-from model.config import UNK
+from model.model_config import UNK
 
 SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length sentence (1.4 GB here)
 SPM_SEED = 1

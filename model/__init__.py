@@ -5,7 +5,7 @@ layers from outside, and the same layer classes make the single-process referenc
 """
 
 from common.errors import ConfigError
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.norms import SCHEMES, NormScheme, build_scheme, register
 from model.transformer import Transformer
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from common.errors import ConfigError
 from common.run_layout import PROFILE_FILE
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.norms import AdminResidual
 
 # sublayer name -> (Var[input], Var[branch output])

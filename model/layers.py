@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.cache import AttentionCache, KeysValues, LayerCache
-from model.config import PAD, ModelConfig
 from model.dropout import Dropout
+from model.model_config import PAD, ModelConfig
 from model.norms import Side, build_scheme
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.config import PAD
+from model.model_config import PAD
 
 
 def label_smoothed_cross_entropy(

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
-from model.config import ModelConfig, parse_section
+from common.sections import parse_section
+from model.model_config import ModelConfig
 
 Side = Literal["encoder", "decoder"]
 Branch = Callable[[torch.Tensor], torch.Tensor]

@@ -24,9 +24,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from model.config import ModelConfig
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
+from model.model_config import ModelConfig
 from model.norms import build_scheme
 
 Activations = tuple[Tensor, ...]

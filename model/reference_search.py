@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.config import EOS, PAD
+from model.model_config import EOS, PAD
 from model.search import Hypothesis, max_length
 from model.transformer import Transformer
 

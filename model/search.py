@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from common.errors import ConfigError
 from model.cache import DecoderCache, sentences_of
-from model.config import EOS, PAD
+from model.model_config import EOS, PAD
 from model.transformer import Transformer
 
 # (scores, beam, token) of each sentence's 2 x beam best continuations, best first, (sentences, 2 x beam) each.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.errors import ConfigError
 from common.run_layout import CONFIG_FILE, checkpoint_dir, layer_file, load_file, schedule_step
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.norms import ScheduleHook, parse_model
 from model.parts import saved_names
 from model.transformer import Transformer

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from model.cache import DecoderCache
-from model.config import ModelConfig
 from model.embedding import Embedding
+from model.model_config import ModelConfig
 from model.parts import build_parts, model_parts
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from common.run_layout import PROFILE_FILE
 from corpus.batches import MicroBatch
 from model.admin import Variances, apply_omegas, dropout_during, load_profile, omegas_from, recording, save_profile
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.norms import AdminResidual, build_scheme
 from model.parts import saved_names
 

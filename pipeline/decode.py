@@ -34,8 +34,8 @@ from corpus.batches import ParallelCorpus, length_batches, with_eos
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
 from model.cache import DecoderCache
-from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer
+from model.model_config import ModelConfig
 from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
 from pipeline.config.run_config import ValidBleu

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.parts import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, model_parts
 from pipeline.deepspeed_internals import ExternallyPartitioned
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.parts import Part, model_parts
 
 

@@ -24,7 +24,7 @@ import torch
 
 from common.errors import exit_on_config_error
 from common.files import check_writable_file, write_atomic
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from pipeline.config.deepspeed_values import native_bf16_cpu
 from pipeline.launched import run_launched
 from tools.stage_balance import StageTime, stage_times

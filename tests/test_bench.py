@@ -10,8 +10,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import ModelConfig, Transformer
-from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import PAD
 from tests.helpers import ROOT
 from tools.training_speed import model_flops, synthetic_batch
 

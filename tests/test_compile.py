@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common.errors import ConfigError
-from model.config import ModelConfig
 from model.layers import compile_layers
+from model.model_config import ModelConfig
 from model.transformer import Transformer
 from pipeline import preflight
 from pipeline.train import parse_args

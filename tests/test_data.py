@@ -15,7 +15,7 @@ from common.errors import ConfigError
 from corpus.batches import BatchSize, MicroBatches, epoch_batches
 from corpus.dataset import BinarizedCorpus, Dictionary, file_record
 from corpus.prepare import main as prepare_main
-from model.config import EOS, NUM_SPECIAL, PAD
+from model.model_config import EOS, NUM_SPECIAL, PAD
 from pipeline.train import main as train_main
 from tests.helpers import MULTI30K, ROOT, write_slice
 from translation.generate import main as generate_main

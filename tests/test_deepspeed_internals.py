@@ -12,7 +12,7 @@ import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,

@@ -7,9 +7,9 @@ import torch
 
 from common.errors import ConfigError
 from model import SCHEMES, ModelConfig
-from model.config import PAD
 from model.embedding import Embedding, sinusoidal_table
 from model.fold import fold_model
+from model.model_config import PAD
 from model.norms import ScheduleHook
 from model.transformer import Transformer
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
-from model.config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from model.dropout import Dropout, keep_mask
 from model.embedding import Embedding, positions_of, sinusoidal_table
 from model.layers import MultiheadAttention, attention
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from model.parts import build_parts, model_parts
 from model.transformer import Transformer
 

@@ -9,8 +9,8 @@ import torch
 import model.cache
 from corpus.batches import collate
 from model import SCHEMES, ModelConfig, Transformer
-from model.config import EOS
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import EOS
 from model.norms import ScheduleHook
 from model.reference_search import full_recompute_search
 from model.search import ModelDecoder, beam_search, search

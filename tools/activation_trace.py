@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from common.errors import ConfigError
-from model.config import NUM_SPECIAL
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import NUM_SPECIAL
 from model.parts import TRANSFORMER_LAYERS, Part, model_parts
 from pipeline.config.run_config import RunConfig
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from corpus.batches import collate
 from corpus.dataset import BinarizedCorpus
-from model.config import EOS, PAD
+from model.model_config import EOS, PAD
 from model.trained import load_reference
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids

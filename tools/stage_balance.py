@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from corpus.batches import MicroBatch
-from model.config import ModelConfig
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import ModelConfig
 from model.parts import build_parts, model_parts
 from pipeline.partition import stage_bounds
 from tools.training_speed import time_steps

@@ -22,7 +22,7 @@ from typing import Any
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
 from common.run_layout import METRICS_FILE
-from model.config import parse_section
+from common.sections import parse_section
 from model.search import SearchConfig
 from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json

@@ -25,8 +25,8 @@ from torch import nn
 from common.errors import ConfigError, exit_on_config_error
 from corpus.batches import MicroBatches, collate
 from model import Transformer
-from model.config import PAD
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import PAD
 from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
 from tools.source_use import nll, with_shuffled_sources
 from tools.torchscale_peer import torchscale_model

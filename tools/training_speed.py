@@ -34,9 +34,9 @@ from torch import nn
 from common.errors import ConfigError
 from common.ports import free_port
 from corpus.batches import MicroBatch, collate
-from model.config import NUM_SPECIAL, ModelConfig
 from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import NUM_SPECIAL, ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed

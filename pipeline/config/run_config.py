@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.errors import ConfigError
+from common.sections import parse_section
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
-from model.config import ModelConfig, parse_section
+from model.model_config import ModelConfig
 from model.norms import parse_model
 from model.search import SearchConfig
 from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule

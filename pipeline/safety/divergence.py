@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from model.config import ModelConfig
+from model.model_config import ModelConfig
 from model.parts import module_names, saved_names
 from pipeline.deepspeed_internals import (
     loss_scale,

@@ -1,0 +1,61 @@
+"""The model's architecture section (`model` in a run's config) and the dictionary's special ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import ConfigError
+
+# fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
+BOS, PAD, EOS, UNK = 0, 1, 2, 3
+NUM_SPECIAL = 4
+
+
+@dataclass
+class ModelConfig:
+    """Architecture; defaults are fairseq's `transformer` (base) with Post-LN."""
+
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    embed_dim: int = 512
+    ffn_dim: int = 2048
+    attention_heads: int = 8
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    max_positions: int = 1024
+    # fairseq's --encoder-learned-pos/--decoder-learned-pos (both): trained position tables.
+    learned_pos: bool = False
+    share_all_embeddings: bool = False
+    share_decoder_input_output_embed: bool = False
+    norm_scheme: str = "post_ln"
+    # Options of each scheme, keyed by registry name; users write them as model.<scheme>.<option>.
+    schemes: dict[str, dict] = field(default_factory=dict)
+    # Filled from the data's dictionaries when left out.
+    src_vocab_size: int | None = None
+    tgt_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("encoder_layers", "decoder_layers", "embed_dim", "ffn_dim", "attention_heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key}: must be at least 1, got {getattr(self, key)}")
+        if self.max_positions < 2:  # a token and its eos
+            raise ConfigError(f"model.max_positions: must be at least 2, got {self.max_positions}")
+        if self.embed_dim % self.attention_heads:
+            raise ConfigError(
+                f"model.embed_dim: {self.embed_dim} is not divisible by model.attention_heads "
+                f"{self.attention_heads}; pick a multiple"
+            )
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key}: must be in [0, 1), got {getattr(self, key)}")
+        if self.learned_pos and self.share_all_embeddings:
+            raise ConfigError(
+                "model.learned_pos: with share_all_embeddings the encoder and decoder would share one position "
+                "table (fairseq keeps two); set one of them false"
+            )
+        if self.share_all_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ConfigError(
+                "model.share_all_embeddings: source and target vocabularies differ "
+                f"({self.src_vocab_size} vs {self.tgt_vocab_size}); use a joint vocabulary or set it false"
+            )

@@ -10,13 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.run_layout import LOCK_FILE, global_step, layer_file, load_file
+from common.run_layout import (
+    BEST,
+    LATEST,
+    LOCK_FILE,
+    MANIFEST,
+    best_tag,
+    global_step,
+    latest_tag,
+    layer_file,
+    load_file,
+)
 from convert.average import main
 from model import Transformer
 from model.norms import BranchScaled, parse_model
 from model.parts import saved_names
 from model.trained import load_reference
-from pipeline.checkpoint import saving
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
          "src_vocab_size": 12, "tgt_vocab_size": 12, "norm_scheme": "branchnorm", "branchnorm": {"T": 100}}  # fmt: skip
@@ -26,7 +35,7 @@ STEPS = (8, 9, 10)  # by name, global_step10 sorts before global_step8
 def write_manifest(checkpoint: Path, step: int) -> None:
     files = {p.name: {"bytes": p.stat().st_size, "zip": True} for p in checkpoint.iterdir() if p.suffix == ".pt"}
     manifest = {"tag": checkpoint.name, "step": step, "world_size": 1, "files": files}
-    (checkpoint / saving.MANIFEST).write_text(json.dumps(manifest))
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
 def write_checkpoint(save_dir: Path, tag: str, step: int, dtype=torch.float32, committed: bool = True) -> None:
@@ -50,7 +59,7 @@ def make_run(save_dir: Path, dtype=torch.float32) -> Path:
     (save_dir / "config.json").write_text(json.dumps({"model": MODEL}))
     for step in STEPS:
         write_checkpoint(save_dir, f"global_step{step}", step, dtype)
-    (save_dir / saving.LATEST).write_text(f"global_step{STEPS[-1]}")
+    (save_dir / LATEST).write_text(f"global_step{STEPS[-1]}")
     return save_dir
 
 
@@ -60,8 +69,8 @@ def run(tmp_path) -> Path:
     step 11 (no manifest) and a best checkpoint at step 12 with its link."""
     save_dir = make_run(tmp_path / "run")
     write_checkpoint(save_dir, "global_step11", 11, committed=False)
-    write_checkpoint(save_dir, saving.best_tag(12), 12)
-    (save_dir / saving.BEST).symlink_to(saving.best_tag(12))
+    write_checkpoint(save_dir, best_tag(12), 12)
+    (save_dir / BEST).symlink_to(best_tag(12))
     return save_dir
 
 
@@ -108,8 +117,8 @@ def test_load_reference_reads_the_average_at_the_newest_step(run, capsys):
     assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.1}  # alpha_t at 10 of 100
     # nothing to resume from, and the run's own pointers untouched
     assert load_file(average / "mp_rank_00_model_states.pt") == {"global_steps": 10, "schedule_step": 10}
-    assert not list(average.glob("*optim_states*")) and not (average / saving.MANIFEST).exists()
-    assert saving.latest_tag(run) == "global_step10" and (run / saving.BEST).readlink().name == "best_global_step12"
+    assert not list(average.glob("*optim_states*")) and not (average / MANIFEST).exists()
+    assert latest_tag(run) == "global_step10" and (run / BEST).readlink().name == "best_global_step12"
     summary = json.loads((average / "fathom_average.json").read_text())
     assert summary["averaged"] == ["global_step8", "global_step9", "global_step10"] and summary["global_steps"] == 10
 
@@ -282,8 +291,8 @@ def test_bad_input_is_one_line_and_writes_nothing(run, capsys, case):
 def test_alpha_is_read_at_the_updates_a_checkpoint_applied(run):
     """A run that skipped non-finite steps, or started from train.init_from's weights, records the
     schedule step in the manifest; generation, export and averaging read alpha_t there."""
-    manifest = json.loads((run / "global_step10" / saving.MANIFEST).read_text())
-    (run / "global_step10" / saving.MANIFEST).write_text(json.dumps({**manifest, "schedule_step": 4}))
+    manifest = json.loads((run / "global_step10" / MANIFEST).read_text())
+    (run / "global_step10" / MANIFEST).write_text(json.dumps({**manifest, "schedule_step": 4}))
     model = load_reference(run, "global_step10")
     assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.04}
     main(["--checkpoint", str(run), "--tags", "global_step9", "global_step10"])

@@ -14,7 +14,16 @@ import torch
 
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
-from common.run_layout import deepspeed_state_types, file_damage, linked_best, load_file, read_manifest
+from common.run_layout import (
+    LATEST,
+    MANIFEST,
+    deepspeed_state_types,
+    file_damage,
+    latest_tag,
+    linked_best,
+    load_file,
+    read_manifest,
+)
 from corpus.dataset import BinarizedCorpus
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
@@ -63,16 +72,16 @@ def resume_fails(capsys, monkeypatch, run: Path, data: Path, *overrides: str, wo
 
 
 def latest_file(run: Path, pattern: str) -> Path:
-    return sorted((run / saving.latest_tag(run)).glob(pattern))[-1]
+    return sorted((run / latest_tag(run)).glob(pattern))[-1]
 
 
 @pytest.mark.slow
 def test_checkpoints_are_committed_whole(trained):
-    assert saving.latest_tag(trained) == "global_step2"
+    assert latest_tag(trained) == "global_step2"
     for tag in ("global_step1", "global_step2"):
         manifest = read_manifest(trained / tag)
         assert manifest["world_size"] == 2 and manifest["step"] == int(tag[-1])
-        on_disk = {p.name for p in (trained / tag).iterdir()} - {saving.MANIFEST}
+        on_disk = {p.name for p in (trained / tag).iterdir()} - {MANIFEST}
         assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)
         for name, entry in manifest["files"].items():
             assert entry["zip"] and file_damage(trained / tag / name, entry, read=True) is None
@@ -147,21 +156,21 @@ def test_a_resume_on_another_shape_into_a_save_dir_in_use_is_one_line(capsys, mo
 def test_a_checkpoint_without_a_recorded_shape_or_partitions_resumes_only_on_its_shape(
     capsys, monkeypatch, run, multi30k_slice
 ):
-    checkpoint = run / saving.latest_tag(run)
+    checkpoint = run / latest_tag(run)
     manifest = read_manifest(checkpoint)
     # ZeRO 0 keeps each stage's optimizer state whole in its model-states file
     unsharded = {**manifest, "files": {n: e for n, e in manifest["files"].items() if "zero_pp_rank" not in n}}
-    (checkpoint / saving.MANIFEST).write_text(json.dumps(unsharded))
+    (checkpoint / MANIFEST).write_text(json.dumps(unsharded))
     err = resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
     assert "without ZeRO (zero_optimization.stage 0), which DeepSpeed cannot reshape; resume with 2 stages" in err
-    (checkpoint / saving.MANIFEST).unlink()  # as before fathom committed checkpoints
+    (checkpoint / MANIFEST).unlink()  # as before fathom committed checkpoints
     err = resume_fails(capsys, monkeypatch, run, multi30k_slice, *ONE_STAGE)
     assert "global_step2 was written as 2 stages x 1 replica before fathom reshaped checkpoints; resume as" in err
 
 
 @pytest.mark.slow
 def test_resume_refuses_a_latest_naming_nothing(capsys, monkeypatch, run, multi30k_slice):
-    (run / saving.LATEST).write_text("global_step99")
+    (run / LATEST).write_text("global_step99")
     assert "names 'global_step99', which does not exist" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
 
 
@@ -254,7 +263,7 @@ def test_a_damaged_file_ends_every_rank_with_one_line(run, multi30k_slice, capsy
     assert len(errors) == 1 and "fails its checksum; the file is damaged" in errors[0], output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert (run / "config.json").read_bytes() == config_before
-    assert saving.latest_tag(run) == "global_step2"
+    assert latest_tag(run) == "global_step2"
     # torch.load reads flipped tensor bytes without complaint: generate.py translated with them, and
     # train.init_from trained from them, both silently
     with pytest.raises(SystemExit) as exc:
@@ -282,9 +291,9 @@ def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(ru
     assert "File too large while saving global_step3" in errors[0], errors[0]
     assert "--resume continues from global_step2" in errors[0], errors[0]
     assert "Traceback" not in output, output[-3000:]
-    assert saving.latest_tag(run) == "global_step2"
+    assert latest_tag(run) == "global_step2"
     result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=3"), "--resume")
-    assert result.returncode == 0 and saving.latest_tag(run) == "global_step3"
+    assert result.returncode == 0 and latest_tag(run) == "global_step3"
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def assert_latest_whole(save_dir: Path) -> None:
     """What a resume would load: complete, every file at its saved size and checksum."""
     committed = saving.committed_files(save_dir)
     if committed is None:
-        assert saving.latest_tag(save_dir) is None
+        assert latest_tag(save_dir) is None
         return
     checkpoint, manifest = committed
     assert manifest["step"] == tag_step(checkpoint.name)
@@ -106,7 +106,7 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
         for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             segment.unlink()  # a rank killed before it released its shm segment
     assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
-    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {saving.latest_tag(save_dir)}"
+    return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {latest_tag(save_dir)}"
 
 
 def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):

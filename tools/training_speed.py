@@ -182,7 +182,7 @@ def torchscale_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> 
 
 def init_single_process() -> None:
     """torch.distributed for this one process (world size 1, gloo), which the engine needs. Not
-    pipeline.distributed.init_distributed: that one sets torch's thread count for launched ranks, and here
+    pipeline.launched.init_distributed: that one sets torch's thread count for launched ranks, and here
     every system must run with the same threads."""
     if dist.is_initialized():
         return

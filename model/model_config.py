@@ -1,14 +1,19 @@
-"""The model's architecture section (`model` in a run's config) and the dictionary's special ids."""
+"""The model's architecture section (`model` in a run's config), the dictionary's special ids and the
+dtypes its weights are held in, by DeepSpeed's precision names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from common.errors import ConfigError
 
 # fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
 BOS, PAD, EOS, UNK = 0, 1, 2, 3
 NUM_SPECIAL = 4
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

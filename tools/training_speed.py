@@ -36,7 +36,7 @@ from common.ports import free_port
 from corpus.batches import MicroBatch, collate
 from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
-from model.model_config import NUM_SPECIAL, ModelConfig
+from model.model_config import DTYPES, NUM_SPECIAL, ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
@@ -46,7 +46,7 @@ from pipeline.launched import release_shm_buffer
 from pipeline.train import build_engine
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "bf16")  # what the benchmark trains in
 PEERS = ("torchscale", "deepspeed", "compiled")  # what our plain loop ("fathom") can be compared with
 # ds_configs/default.json's optimizer, here for both the plain loops and the engine.
 ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001, "fused": True}
@@ -71,7 +71,7 @@ class Bench:
 
     @property
     def dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision]
+        return DTYPES[self.precision]
 
     @property
     def systems(self) -> tuple[str, ...]:

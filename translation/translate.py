@@ -29,12 +29,12 @@ from common.heap import keep_freed_blocks
 from corpus.batches import length_batches, with_eos
 from corpus.dataset import PreparedData, check_vocab
 from corpus.text import decode_lines, read_lines
+from model.model_config import DTYPES
 from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
 from model.transformer import Transformer
 
 SearchFn = Callable[..., list[Hypothesis]]
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +53,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len-b", type=int, default=default.max_len_b)
     parser.add_argument("--batch-size", type=int, default=default.batch_size, help="sentences per batch")
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if there is one)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32", help="of the weights (log-probs in fp32)")
+    parser.add_argument("--precision", choices=DTYPES, default="fp32", help="of the weights (log-probs in fp32)")
 
 
 def option_name(dest: str) -> str:
@@ -80,7 +80,7 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
         raise ConfigError("--precision fp16: needs a GPU; on CPU use bf16 (where the CPU has avx512_bf16) or fp32")
     if where.type == "cpu" and precision == "bf16" and not torch.cpu._is_avx512_bf16_supported():
         print("fathom: warning: this CPU has no avx512_bf16: bf16 runs emulated, far slower than fp32", file=sys.stderr)
-    return where, PRECISIONS[precision]
+    return where, DTYPES[precision]
 
 
 class Translator:

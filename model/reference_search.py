@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from model.model_config import EOS, PAD
-from model.search import Hypothesis, max_length
+from model.search import Hypothesis, SearchConfig, max_length
 from model.transformer import Transformer
 
 
@@ -21,10 +21,10 @@ from model.transformer import Transformer
 def full_recompute_search(
     model: Transformer,
     src_tokens: torch.Tensor,
-    beam: int = 4,
-    lenpen: float = 1.0,
-    max_len_a: float = 0.0,
-    max_len_b: int = 200,
+    beam: int = SearchConfig.beam,
+    lenpen: float = SearchConfig.lenpen,
+    max_len_a: float = SearchConfig.max_len_a,
+    max_len_b: int = SearchConfig.max_len_b,
     min_len: int = 1,
 ) -> list[Hypothesis]:
     """Best hypothesis per source sentence (token ids ending before eos). beam=1 is greedy decoding."""

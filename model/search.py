@@ -197,10 +197,10 @@ class ModelDecoder(CachedRows):
 def beam_search(
     model: Transformer,
     src_tokens: torch.Tensor,
-    beam: int = 4,
-    lenpen: float = 1.0,
-    max_len_a: float = 0.0,
-    max_len_b: int = 200,
+    beam: int = SearchConfig.beam,
+    lenpen: float = SearchConfig.lenpen,
+    max_len_a: float = SearchConfig.max_len_a,
+    max_len_b: int = SearchConfig.max_len_b,
     min_len: int = 1,
 ) -> list[Hypothesis]:
     """Best hypothesis per source sentence, decoded on the model's device. beam=1 is greedy decoding."""

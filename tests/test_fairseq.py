@@ -144,6 +144,8 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
                 "4",
                 "--lenpen",
                 "0.6",
+                "--max-len-a",
+                "0",
                 "--max-len-b",
                 MAX_LEN,
                 "--output",
@@ -162,7 +164,7 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
                 str(exported[case] / "checkpoint.pt"),
             ]
             + ["--dataset-impl", "raw", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--cpu"]
-            + ["--batch-size", "64", "--max-len-b", MAX_LEN],
+            + ["--batch-size", "64", "--max-len-a", "0", "--max-len-b", MAX_LEN],
             capture_output=True,
             text=True,
         )

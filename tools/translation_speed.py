@@ -235,7 +235,7 @@ def depth_main(argv: list[str] | None = None) -> None:
         times = {}
         for name in systems:
             tick = time.perf_counter()
-            found = searches[name](model, src, beam=args.beam, max_len_b=args.length, min_len=args.length)
+            found = searches[name](model, src, beam=args.beam, max_len_a=0, max_len_b=args.length, min_len=args.length)
             times[name] = time.perf_counter() - tick
             assert all(len(h.tokens) == args.length for h in found)
         cells = " | ".join(f"{times[s]:.1f}" for s in systems)

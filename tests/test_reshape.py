@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.run_layout import deepspeed_state_types, load_file, read_manifest
-from pipeline.checkpoint import saving
+from common.run_layout import deepspeed_state_types, latest_step, load_file, read_manifest
 from pipeline.checkpoint.reshape import OPTIMIZER_FILE, UNIVERSAL
 from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
 
@@ -164,7 +163,7 @@ def test_a_killed_run_resumed_on_each_new_shape_follows_the_uninterrupted_run(tm
     full, cut = tmp_path / "full", tmp_path / "cut"
     train("2x1", full, f"train.max_steps={steps}", f"train.save_interval={steps}")
     kill_after_step(train_command("2x1", cut, f"train.max_steps={steps}", "train.save_interval=2"), cut, 3)
-    step = saving.latest_step(cut)
+    step = latest_step(cut)
     assert step >= 2
     for shape in ("1x2", "2x1", "3x1", "2x1", "2x1 by decoder layers"):
         step = step + 1 if shape != "2x1 by decoder layers" else steps

@@ -22,7 +22,9 @@ from translation.generate import parse_args as parse_generate_args
 from translation.generate import translate as generate_translate
 from translation.translate import main as translate_main
 
-SEARCH = ["--beam", "3", "--lenpen", "0.6", "--max-len-b", "6"]
+# A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and
+# these untrained models run every hypothesis to the limit, so batch sizes could not be compared.
+SEARCH = ["--beam", "3", "--lenpen", "0.6", "--max-len-a", "0", "--max-len-b", "6"]
 
 
 def untrained_run(data_dir, save_dir, **kw):

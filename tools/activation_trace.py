@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from common.errors import ConfigError
 from model.loss import label_smoothed_cross_entropy
-from model.model_config import NUM_SPECIAL
+from model.model_config import DTYPES, NUM_SPECIAL
 from model.parts import TRANSFORMER_LAYERS, Part, model_parts
+from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig
 
 
@@ -32,9 +33,9 @@ class LayerTrace:
 
 
 def precision(cfg: RunConfig) -> str:
-    if cfg.deepspeed.get("fp16", {}).get("enabled"):
+    if (name := deepspeed_values.precision(cfg.deepspeed)) == "fp16":
         raise ConfigError("fp16: the planner knows fp32 and bf16 runs; estimate with bf16 (same sizes)")
-    return "bf16" if cfg.deepspeed.get("bf16", {}).get("enabled") else "fp32"
+    return name
 
 
 def _float_bytes(values: tuple) -> list[int]:
@@ -68,7 +69,7 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
     """A trace for every spec of the model, and the bytes the loss saves. Each distinct layer is
     built and run once on one sentence: a deep stack repeats the same layer, whose output then
     stands in for the next one's input."""
-    dtype = torch.bfloat16 if precision(cfg) == "bf16" else torch.float32
+    dtype = DTYPES[precision(cfg)]
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(NUM_SPECIAL, cfg.model.tgt_vocab_size, (1, length), generator=generator)
     value: object = (tokens, tokens.clone())

@@ -50,7 +50,7 @@ from corpus.batches import ParallelCorpus
 from corpus.dataset import PreparedData, check_vocab
 from model.trained import check_same_model, model_config
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
-from pipeline.config.deepspeed_values import accumulation
+from pipeline.config.deepspeed_values import accumulation, precision
 from pipeline.config.history import flat, read_back, shown
 from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
@@ -285,10 +285,6 @@ START_ONLY = ("train.init_from", "train.init_step", "model.admin.profile", "mode
 # layout of the optimizer state the checkpoint holds.
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 ENABLE = {"bf16": "bf16.enabled=true", "fp16": "fp16.enabled=true", "fp32": "bf16.enabled=false and fp16.enabled=false"}
-
-
-def precision(ds: dict[str, Any]) -> str:
-    return next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
 
 
 def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:

@@ -134,6 +134,11 @@ def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def precision(ds: dict[str, Any]) -> str:
+    """The run's precision by DeepSpeed's section names: bf16, fp16 or fp32 (neither enabled)."""
+    return next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
+
+
 def precision_warning(ds: dict[str, Any]) -> str | None:
     """A line for the start of a run whose precision will crawl on this machine, else None."""
     if ds.get("bf16", {}).get("enabled") and not torch.cuda.is_available() and not native_bf16_cpu():

@@ -33,9 +33,10 @@ def lines(path: Path) -> list[str]:
     ],
 )
 def test_bad_arguments_are_one_line_before_any_work(tmp_path, capsys, args, message):
+    """On a machine that never built fairseq's environment, too: an argument's own error comes first."""
     work = tmp_path / "work"
     with pytest.raises(SystemExit) as exc:
-        main(["--pairs", "10", "--work", str(work), *args])
+        main(["--pairs", "10", "--work", str(work), "--fairseq-env", str(tmp_path / "never-built"), *args])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
     assert not work.exists()

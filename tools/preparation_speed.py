@@ -105,12 +105,6 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for option, (value, least) in minimums.items():
         if value < least:
             raise ConfigError(f"{option}: must be at least {least}, got {value}")
-    if "fairseq" in systems:
-        for tool in ("python", "fairseq-preprocess"):
-            if not (args.fairseq_env / "bin" / tool).exists():
-                raise ConfigError(
-                    f"--fairseq-env {args.fairseq_env}: no bin/{tool}; run bash scripts/setup_fairseq_env.sh"
-                )
     if not all((MULTI30K / f"{split}.{lang}.gz").is_file() for split in ("train", "val") for lang in (SRC, TGT)):
         raise ConfigError(f"{MULTI30K}: Multi30k's train and val splits are missing; run from a fathom checkout")
     check_work(args.work)
@@ -121,6 +115,14 @@ def check_args(args: argparse.Namespace) -> list[str]:
             raise ConfigError(
                 f"--json {args.json}: among the benchmark's own outputs, which it replaces; write it elsewhere"
             )
+    # Last: whether fairseq's environment is built depends on the machine, not on these arguments, and an
+    # argument's own error must read the same on a machine that never built it.
+    if "fairseq" in systems:
+        for tool in ("python", "fairseq-preprocess"):
+            if not (args.fairseq_env / "bin" / tool).exists():
+                raise ConfigError(
+                    f"--fairseq-env {args.fairseq_env}: no bin/{tool}; run bash scripts/setup_fairseq_env.sh"
+                )
     return systems
 
 

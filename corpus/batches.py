@@ -1,15 +1,15 @@
 """Feeding the pipeline engine: corpora, length-grouped token-budget batches, resumable micro-batch streams.
 
-A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eos), `lengths()`
-and the two vocabulary sizes: the built-in synthetic task here, or a binarized real corpus
+A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eos), `lengths()`,
+`fingerprint()` and the two vocabulary sizes: the built-in synthetic task here, or a binarized real corpus
 (corpus/dataset.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,11 @@ class ParallelCorpus(Protocol):
     def pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def lengths(self) -> np.ndarray: ...
+
+    def fingerprint(self) -> Any:
+        """What identifies the pairs in their order, comparable across processes and versions: equal
+        fingerprints, equal pairs."""
+        ...
 
 
 def check_budget(lengths: np.ndarray, size: BatchSize) -> None:
@@ -66,6 +71,7 @@ class SyntheticTranslation:
     """
 
     def __init__(self, cfg: SyntheticConfig, split: str = "train"):
+        self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
         self.cipher = torch.randperm(cfg.words, generator=gen) + NUM_SPECIAL
         self.src_vocab_size = self.tgt_vocab_size = NUM_SPECIAL + cfg.words
@@ -83,6 +89,10 @@ class SyntheticTranslation:
 
     def lengths(self) -> np.ndarray:
         return np.array([len(s) + 1 for s in self.sources])
+
+    def fingerprint(self) -> dict[str, Any]:
+        # every setting: the valid split's size moves the generator before the training sentences are drawn
+        return {"synthetic": asdict(self.cfg)}
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -160,25 +170,44 @@ def eval_batches(corpus: ParallelCorpus, size: BatchSize) -> list[MicroBatch]:
     return [collate([corpus.pair(int(i)) for i in batch]) for batch in size.pack(order, lengths)]
 
 
-def global_micro_batch(step: int, k: int, accumulation: int, replicas: int, replica: int) -> int:
-    """The index, in the run's fixed order, of the k-th micro-batch a data-parallel replica reads in a
-    step. Any shape with the same accumulation x replicas reads the same micro-batches in each step."""
-    return (step * accumulation + k) * replicas + replica
+def epoch_length(lengths: np.ndarray, size: BatchSize, seed: int) -> int:
+    """Micro-batches in an epoch. The same in every epoch: each packs the same sequence of lengths (sorted,
+    under a token budget) or the same number of pairs."""
+    return len(epoch_batches(lengths, size, seed, 0))
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Which micro-batch of the run's fixed order each replica reads in each step of a launch. Before
+    step `step`, `consumed` micro-batches had been read, by every launch before this one whatever its
+    shape; each step then reads `accumulation` micro-batches on each of `replicas` replicas, replica r
+    the r-th of every `replicas`."""
+
+    consumed: int = 0
+    step: int = 0
+    accumulation: int = 1
+    replicas: int = 1
+
+    def at(self, step: int) -> int:
+        """Micro-batches read before `step`: the index of the first one `step` reads."""
+        return self.consumed + (step - self.step) * self.accumulation * self.replicas
+
+    def micro_batch(self, step: int, k: int, replica: int) -> int:
+        """The index, in the run's fixed order, of the k-th micro-batch `replica` reads in `step`."""
+        return self.at(step) + k * self.replicas + replica
 
 
 class MicroBatches:
-    """Micro-batches in a fixed order determined by (seed, epoch): step s always sees the same data,
-    global_micro_batch's, so a resumed run continues exactly where the interrupted one stopped, mid-epoch
-    included.
-    """
+    """Micro-batches in a fixed order determined by (seed, epoch): the n-th micro-batch of a run is always
+    the same, so a resumed run continues with the first one it had not read (`start`), mid-epoch included,
+    whatever its accumulation or replica count (DataPosition)."""
 
     def __init__(
         self,
         corpus: ParallelCorpus,
         size: BatchSize,
         seed: int,
-        start_step: int = 0,
-        accumulation: int = 1,
+        start: int = 0,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
     ):
@@ -186,9 +215,10 @@ class MicroBatches:
         self.lengths = corpus.lengths()
         check_budget(self.lengths, size)
         self.world = data_parallel_size
-        self.next = global_micro_batch(start_step, 0, accumulation, data_parallel_size, data_parallel_rank)
+        self.next = start + data_parallel_rank
         self.epoch, self.epoch_start = 0, 0
         self.plan = epoch_batches(self.lengths, size, seed, 0)
+        self.per_epoch = len(self.plan)  # every epoch's (epoch_length)
         self.target_tokens = 0  # real (non-pad) target tokens handed out so far, for throughput
 
     def _indices(self, global_index: int) -> np.ndarray:

@@ -18,6 +18,7 @@ import json
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -230,6 +231,14 @@ class BinarizedCorpus(PreparedData):
         """Per pair, the longer side's length including eos: what a token budget counts."""
         return np.maximum(self.sources.lengths, self.targets.lengths) + 1
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The split's token files' SHA-256 as meta.json records them (for data prepared without
+        checksums: its directory and pair count)."""
+        if self.files is None:
+            return {"path": str(self.path.resolve()), "pairs": len(self)}
+        names = [f"{self.split}.{lang}.{ext}" for lang in (self.src, self.tgt) for ext in ("bin", "idx.npy")]
+        return {name: self.files[name]["sha256"] for name in names}
+
 
 SHARED_FILES = ("dict.{src}.txt", "dict.{tgt}.txt", "spm.model", "spm.{src}.model", "spm.{tgt}.model")
 
@@ -256,6 +265,9 @@ class ShardedCorpus(PreparedData):
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([shard.lengths() for shard in self.shards])
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"shards": [shard.fingerprint() for shard in self.shards]}
 
 
 def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:

@@ -4,7 +4,7 @@ A rank's random stream would make a mask depend on which stage holds a layer, wh
 before it there and which replica reads the micro-batch: a run resumed on another shape (pipeline/
 reshape.py) would draw other masks and leave the uninterrupted run's path. Instead every layer of a
 stage reseeds dropout's generator as it starts, from the run's seed, the global index of the
-micro-batch it runs (corpus.batches.global_micro_batch, the one MicroBatches reads) and
+micro-batch it runs (corpus.batches.DataPosition, the one MicroBatches reads) and
 its own pipeline index. Activation checkpointing recomputes a layer during the backward pass of its
 micro-batch, so the backward pass names the micro-batch too: the recomputation draws the same mask.
 A reseed costs about 1.5 us a layer and micro-batch (docs/BENCHMARKS.md).
@@ -19,7 +19,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from corpus.batches import global_micro_batch
+from corpus.batches import DataPosition
 from pipeline.deepspeed_internals import replace_stage_call, stage_layers, wrap_instructions
 
 
@@ -36,12 +36,12 @@ def device_generator(device: torch.device) -> torch.Generator:
 
 
 class DropoutMasks:
-    """Installs the reseeding on an engine's stage; `start(step)` before each train_batch."""
+    """Installs the reseeding on an engine's stage; `start(step)` before each train_batch. `position`: which
+    micro-batches the launch reads in each step."""
 
-    def __init__(self, engine: deepspeed.PipelineEngine, seed: int):
+    def __init__(self, engine: deepspeed.PipelineEngine, seed: int, position: DataPosition):
         self.seed = seed
-        self.accumulation = engine.gradient_accumulation_steps()
-        self.replicas = engine.grid.get_data_parallel_world_size()
+        self.position = position
         self.replica = engine.grid.get_data_parallel_rank()
         self.step = 0
         self.forwards = 0  # forward passes run this step
@@ -75,7 +75,7 @@ class DropoutMasks:
 
             def forward(engine: deepspeed.PipelineEngine, buffer_id: int) -> None:
                 k, self.forwards = self.forwards, self.forwards + 1
-                self.running = global_micro_batch(self.step, k, self.accumulation, self.replicas, self.replica)
+                self.running = self.position.micro_batch(self.step, k, self.replica)
                 self.buffers[buffer_id] = self.running
                 return method(engine, buffer_id=buffer_id)
 

@@ -11,6 +11,7 @@ import copy
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,7 @@ from deepspeed.pipe import PipelineModule
 
 from common.errors import exit_on_config_error
 from common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag, schedule_step
-from corpus.batches import (
-    MicroBatch,
-    MicroBatches,
-    ParallelCorpus,
-)
+from corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
 from corpus.dataset import PreparedData, write_dictionaries
 from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
@@ -34,6 +31,7 @@ from model.norms import ScheduleHook, build_scheme
 from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin_profile
 from pipeline.checkpoint import saving
+from pipeline.checkpoint.data_position import POSITION, data_order, position_record
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config.deepspeed_values import precision_warning
 from pipeline.config.history import record_config
@@ -53,6 +51,15 @@ from pipeline.specs import layer_specs
 from pipeline.validation import Best, Validation, validation_line
 
 SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where the loop starts: the step train.init_from's weights started the schedules at, and the
+    micro-batches the run had read (an index into this launch's order of them)."""
+
+    schedule_offset: int = 0
+    consumed: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,14 +181,21 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
     )
 
 
-def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> dict[str, Any]:
+def data_position(engine: deepspeed.PipelineEngine, consumed: int = 0) -> DataPosition:
+    """Which micro-batches this launch reads in each step, from its first, after `consumed` were read."""
+    return DataPosition(
+        consumed, engine.global_steps, engine.gradient_accumulation_steps(), engine.grid.get_data_parallel_world_size()
+    )
+
+
+def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> StartPoint:
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
-    Admin's profiled omegas, and writes the run's records. Returns the client state of the checkpoint
-    resumed from, with the run's schedule offset (SCHEDULE_OFFSET) set."""
+    Admin's profiled omegas, and writes the run's records."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     client_state: dict[str, Any] = {}
+    consumed = 0
     if resume and latest_tag(save_dir) is not None:
-        client_state = saving.load(engine, save_dir)
+        client_state, consumed = saving.load(engine, save_dir, cfg, corpus)
         apply_optimizer_settings(engine, cfg.deepspeed)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
@@ -191,21 +205,21 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
                   "keeps each stretch's settings)", flush=True)  # fmt: skip
         if isinstance(corpus, PreparedData):
             write_dictionaries(save_dir, corpus)
-    client_state.setdefault(SCHEDULE_OFFSET, 0)
+    offset = client_state.get(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
         saving.verify_contents(cfg.train.init_from, weights_only=True)
         source = checkpoint_dir(cfg.train.init_from)
         load_weights(engine, source)
         init_step = cfg.train.init_step
-        client_state[SCHEDULE_OFFSET] = schedule_step(source) if init_step is None else init_step
+        offset = schedule_step(source) if init_step is None else init_step
         if rank == 0:
-            print(f"fathom: initialized from {source}, schedules from step {client_state[SCHEDULE_OFFSET]}", flush=True)
+            print(f"fathom: initialized from {source}, schedules from step {offset}", flush=True)
     # A resumed or initialized run has its omegas in the checkpoint.
     if build_scheme(cfg.model).profiled and engine.global_steps == 0 and not cfg.train.init_from:
         message = admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         if rank == 0:
             print(f"fathom: {message}", flush=True)
-    return client_state
+    return StartPoint(offset, consumed)
 
 
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
@@ -236,31 +250,33 @@ def run(
     engine: deepspeed.PipelineEngine,
     cfg: RunConfig,
     corpus: ParallelCorpus,
-    client_state: dict[str, Any],
+    start_point: StartPoint,
     watchdog: Watchdog,
 ) -> None:
     """The training loop, from the engine's step to train.max_steps: steps, logs, validation, checkpoints."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     scheme = build_scheme(cfg.model)
     hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
+    position = data_position(engine, start_point.consumed)
     data = MicroBatches(
         corpus,
         cfg.batch_size,
         cfg.train.seed,
-        start_step=engine.global_steps,
-        accumulation=engine.gradient_accumulation_steps(),
+        start=position.consumed,
         data_parallel_rank=engine.grid.get_data_parallel_rank(),
-        data_parallel_size=engine.grid.get_data_parallel_world_size(),
+        data_parallel_size=position.replicas,
     )
-    masks = DropoutMasks(engine, cfg.train.seed)
+    order, per_epoch = data_order(cfg, corpus), data.per_epoch
+    masks = DropoutMasks(engine, cfg.train.seed, position)
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
     best = Best(cfg.train.best_metric, save_dir)
     if rank == 0 and best.tag is not None:
         print(f"fathom: best valid {best.metric} so far {best.value:.4f} ({best.tag})", flush=True)
-    offset = client_state[SCHEDULE_OFFSET]
+    offset = start_point.schedule_offset
 
     def state() -> dict[str, Any]:  # what every checkpoint keeps beside DeepSpeed's own state
-        return {**best.state(), SCHEDULE_OFFSET: offset}
+        read = position_record(position.at(engine.global_steps), per_epoch, order)
+        return {**best.state(), SCHEDULE_OFFSET: offset, POSITION: read}
 
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     interval = cfg.train.grad_norm_interval

@@ -24,7 +24,7 @@ from common.run_layout import (
     load_file,
     read_manifest,
 )
-from corpus.dataset import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.train import main
@@ -93,15 +93,14 @@ def test_checkpoints_are_committed_whole(trained):
     [
         (["model.embed_dim=32"], 2, "--resume: model.embed_dim is 64 in"),
         (["model.norm_scheme=pre_ln"], 2, "--resume: model.norm_scheme is branchnorm in"),
-        # another shape resumes (tests/test_reshape.py), on the run's batches only
+        # another order of the data: no first unread micro-batch to go on from (tests/test_data_position.py)
+        (["data.max_tokens=300"], 2, "--resume: data.max_tokens is null in global_step2 but 300 here"),
         (
-            ["pipeline.stages=1", "train_batch_size=64"],
+            ["train_micro_batch_size_per_gpu=4", "train_batch_size=16"],
             2,
-            "--resume: global_step2 took 4 micro-batches of 8 a step as 2 stages x 1 replica; as 1 stage x 2 "
-            "replicas this config takes 8 of 8; to go on with the run's batches, set gradient_accumulation_steps=2, "
-            "train_batch_size=32 and train_micro_batch_size_per_gpu=8",
+            "--resume: train_micro_batch_size_per_gpu is 8 in global_step2 but 4 here",
         ),
-        (["train_batch_size=96", "gradient_accumulation_steps=4"], 6, "launch a replica count that divides 4"),
+        (["train.seed=7"], 2, "--resume: train.seed is 1 in global_step2 but 7 here"),
         (["pipeline.stages=5"], 5, "pipeline.stages: 5 stages for 4 Transformer layers; use at most 4 stages"),
         # the optimizer state is kept in the form its precision, ZeRO stage and optimizer gave it
         (
@@ -132,6 +131,49 @@ def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, mu
 
 
 ONE_STAGE = ["pipeline.stages=1", "gradient_accumulation_steps=2"]  # the run's batches as 1 stage x 2 replicas
+
+
+def other_pairs(data: Path, out: Path) -> Path:
+    """`data` with its test split's pairs as training pairs: the same dictionaries, other training data."""
+    shutil.copytree(data, out)
+    meta = json.loads((out / "meta.json").read_text())
+    for lang in ("de", "en"):
+        for ext in ("bin", "idx.npy"):
+            shutil.copyfile(out / f"test.{lang}.{ext}", out / f"train.{lang}.{ext}")
+            meta["files"][f"train.{lang}.{ext}"] = file_record(out / f"train.{lang}.{ext}")
+    meta["splits"]["train"]["pairs"] = meta["splits"]["test"]["pairs"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+@pytest.mark.slow
+def test_resume_refuses_other_training_pairs_or_shards(capsys, monkeypatch, run, multi30k_slice, tmp_path):
+    """The same dictionaries, so the run's model fits: only the data's checksums tell the pairs apart."""
+    other = other_pairs(multi30k_slice, tmp_path / "other")
+    err = resume_fails(capsys, monkeypatch, run, other)
+    assert "--resume: data.path holds other training pairs than global_step2 was trained on" in err
+    assert "or set train.on_data_change=next_epoch to start epoch 2 in the new order" in err
+    shards = json.dumps([str(multi30k_slice), str(other)])
+    assert "data.path holds other training pairs" in resume_fails(capsys, monkeypatch, run, shards)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_accumulation_and_shape_reads_on_from_the_next_unread_micro_batch(
+    trained, multi30k_slice, tmp_path
+):
+    """Saved at step 2 after 4 micro-batches a step on 2 stages, resumed on 1 stage x 2 replicas reading 1 each a
+    step: steps 3 and 4 read micro-batches 8-11, step 3's of the uninterrupted run. They read 4-7 before
+    (the position was recomputed as step x accumulation x replicas): step 2's, trained on twice."""
+    full, run = tmp_path / "full", tmp_path / "run"
+    assert launch(ROOT / "scripts" / "train.py", *train_args(full, multi30k_slice, "train.max_steps=3")).returncode == 0
+    shutil.copytree(trained, run, symlinks=True)
+    resumed = ["pipeline.stages=1", "gradient_accumulation_steps=1", "train_batch_size=16", "train.max_steps=4"]
+    result = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, *resumed), "--resume")
+    assert result.returncode == 0
+    assert f"resumed from {run}/global_step2 at step 2; data from micro-batch 8 (epoch 1: 8 of" in result.stdout
+    tokens = {r["step"]: r["tokens"] for r in read_jsonl(run / "metrics.jsonl") if "tokens" in r}
+    step3 = next(r["tokens"] for r in read_jsonl(full / "metrics.jsonl") if r["step"] == 3)
+    assert tokens[3] + tokens[4] == step3, (tokens, step3)
 
 
 @pytest.mark.slow

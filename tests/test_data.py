@@ -256,9 +256,9 @@ def test_token_batches_cover_the_epoch_once_within_budget(lengths):
 def test_token_budget_resumes_mid_epoch(multi30k_slice):
     corpus = BinarizedCorpus(multi30k_slice, "train")
     size = BatchSize(max_tokens=300)
-    full = MicroBatches(corpus, size, seed=1, accumulation=2)
+    full = MicroBatches(corpus, size, seed=1)
     batches = [next(full) for _ in range(2 * 30)]  # several epochs of the 400 pairs
-    resumed = MicroBatches(corpus, size, seed=1, start_step=13, accumulation=2)
+    resumed = MicroBatches(corpus, size, seed=1, start=26)
     for expected in batches[26:]:
         got = next(resumed)
         (src, _), target = got

@@ -120,16 +120,13 @@ def test_collate_uses_fairseqs_layout():
 def test_micro_batches_resume_at_any_step(ranks):
     corpus = SyntheticTranslation(SyntheticConfig(sentences=100))
     for rank in range(ranks):
-        stream = MicroBatches(
-            corpus, BatchSize(sentences=8), seed=5, accumulation=3, data_parallel_rank=rank, data_parallel_size=ranks
-        )
+        stream = MicroBatches(corpus, BatchSize(sentences=8), seed=5, data_parallel_rank=rank, data_parallel_size=ranks)
         uninterrupted = [next(stream) for _ in range(3 * 7)]  # 7 steps: crosses the epoch of 12 batches
         resumed = MicroBatches(
             corpus,
             BatchSize(sentences=8),
             seed=5,
-            start_step=4,
-            accumulation=3,
+            start=4 * 3 * ranks,
             data_parallel_rank=rank,
             data_parallel_size=ranks,
         )

@@ -199,9 +199,7 @@ def reference_norms(save_dir, overrides, step):
     cfg = load_config(CONFIG, [*overrides, f"train.save_dir={save_dir}"], world_size=2)
     model = load_reference(save_dir, f"global_step{step - 1}").train()
     accumulation = cfg.deepspeed["gradient_accumulation_steps"]
-    data = MicroBatches(
-        build_corpus(cfg), cfg.batch_size, cfg.train.seed, start_step=step - 1, accumulation=accumulation
-    )
+    data = MicroBatches(build_corpus(cfg), cfg.batch_size, cfg.train.seed, start=(step - 1) * accumulation)
     for _ in range(accumulation):
         (src, prev), target = next(data)
         (label_smoothed_cross_entropy(model(src, prev), target, cfg.train.label_smoothing) / accumulation).backward()

@@ -19,7 +19,7 @@ from corpus.batches import MicroBatches
 from pipeline.config.run_config import resolve_run
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.launched import init_distributed, launched_world
-from pipeline.train import build_engine, train_step
+from pipeline.train import build_engine, data_position, train_step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,10 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg, corpus = resolve_run(args.config, [*args.override, "train.save_dir=/tmp/fathom-bench-masks"], world.size)
     init_distributed()
     engine = build_engine(cfg)
-    data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps(),
-                        data_parallel_rank=engine.grid.get_data_parallel_rank(),
+    data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, data_parallel_rank=engine.grid.get_data_parallel_rank(),
                         data_parallel_size=engine.grid.get_data_parallel_world_size())  # fmt: skip
-    masks = DropoutMasks(engine, cfg.train.seed)
+    masks = DropoutMasks(engine, cfg.train.seed, data_position(engine))
     reseed = masks._reseed
     step = 0
 

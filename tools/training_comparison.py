@@ -84,7 +84,7 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
     longest = int(max(train.lengths().max(), valid.lengths().max()))
     model, encode = build(name, cfg, max_positions=longest + 3)
     accumulation = cfg.deepspeed["gradient_accumulation_steps"]
-    data = MicroBatches(train, cfg.batch_size, cfg.train.seed, accumulation=accumulation)
+    data = MicroBatches(train, cfg.batch_size, cfg.train.seed)
     params = cfg.deepspeed["optimizer"]["params"]
     optimizer = torch.optim.AdamW(  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
         model.parameters(),

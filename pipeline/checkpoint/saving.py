@@ -49,8 +49,9 @@ from common.run_layout import (
 from corpus.batches import ParallelCorpus
 from corpus.dataset import PreparedData, check_vocab
 from model.trained import check_same_model, model_config
+from pipeline.checkpoint.data_position import resume_position, saved_position
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
-from pipeline.config.deepspeed_values import accumulation, precision
+from pipeline.config.deepspeed_values import precision
 from pipeline.config.history import flat, read_back, shown
 from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
@@ -137,8 +138,13 @@ def save(
     return tag
 
 
-def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, Any]:
-    """Resumes from the latest (committed) checkpoint; returns its client state."""
+def load(
+    engine: deepspeed.PipelineEngine, save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus
+) -> tuple[dict[str, Any], int]:
+    """Resumes from the latest (committed) checkpoint; returns its client state and the micro-batches
+    the run had read, as an index into this launch's order of them (data_position.resume_position)."""
+    save_dir = Path(save_dir)
+    trained = json.loads((save_dir / CONFIG_FILE).read_text())  # the run's, until this launch records its own
     committed = verify_contents(save_dir)
     reshaped = None if committed is None else prepare_reshape(engine, *committed)
     try:
@@ -150,13 +156,27 @@ def load(engine: deepspeed.PipelineEngine, save_dir: str | Path) -> dict[str, An
     except RuntimeError as err:  # e.g. a state dict that does not fit the model, if check_resume was skipped
         first = (str(err).strip().splitlines() or ["RuntimeError"])[0]
         raise ConfigError(f"{save_dir}: the latest checkpoint does not fit this model ({first})") from None
+    checkpoint = save_dir / latest_tag(save_dir)  # the checkpoint the user knows, not its universal copy
+    replicas = engine.grid.get_data_parallel_world_size()
+    saved = recorded_position(checkpoint, client_state, engine.global_steps, replicas, trained)
+    consumed, where = resume_position(saved, cfg, corpus, checkpoint)
     if dist.get_rank() == 0:
         if reshaped is not None:
             print(f"fathom: resuming {reshaped[1]}", flush=True)
-        print(f"fathom: resumed from {save_dir}/{Path(path).parent.name} at step {engine.global_steps}", flush=True)
+        print(f"fathom: resumed from {checkpoint} at step {engine.global_steps}; {where}", flush=True)
         if removed := remove_uncommitted(save_dir):
             print(f"fathom: removed what crashed saves left: {', '.join(removed)}", flush=True)
-    return client_state
+    return client_state, consumed
+
+
+def recorded_position(
+    checkpoint: Path, state: dict[str, Any], steps: int, replicas: int, trained: dict[str, Any]
+) -> dict[str, Any]:
+    """The data position `checkpoint` (client `state`, taken after `steps` steps) records; `replicas`:
+    this launch's, the only ones a checkpoint without a manifest resumes on (check_shape)."""
+    manifest = read_manifest(checkpoint)
+    saved_replicas = replicas if manifest is None else saved_shape(manifest).replicas
+    return saved_position(state, steps, saved_replicas, trained)
 
 
 def committed_files(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
@@ -235,12 +255,16 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     checkpoint = save_dir / latest_tag(save_dir)
     check_optimizer_state(save_dir, checkpoint, cfg.deepspeed)
     check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size)
+    state = model_states(checkpoint) or {}
+    replicas = world_size // cfg.stages
+    resume_position(recorded_position(checkpoint, state, state.get("global_steps", 0), replicas, trained), cfg,
+                    corpus, checkpoint)  # fmt: skip
 
 
 def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int) -> None:
     """Fails in one line unless this launch can continue the checkpoint on its shape: a new stage count
-    or replica count needs a checkpoint fathom can reshape (pipeline/checkpoint/reshape.py) and the run's batches,
-    micro-batch for micro-batch: a replica count that divides the micro-batches of a step."""
+    or replica count needs a checkpoint fathom can reshape (pipeline/checkpoint/reshape.py). The data goes
+    on from the first micro-batch not read, on any shape (pipeline/checkpoint/data_position.py)."""
     manifest = read_manifest(checkpoint)
     replicas = world_size // cfg.stages
     restart = f"or start a new run from its weights with train.init_from={save_dir}"
@@ -255,28 +279,13 @@ def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, w
     saved = saved_shape(manifest)
     if (saved.stages, saved.replicas) == (cfg.stages, replicas):
         return
-    trained = (model_states(checkpoint) or {}).get("ds_config") or {}
-    if not trained:
+    if not (model_states(checkpoint) or {}).get("ds_config"):
         raise ConfigError(f"--resume: {checkpoint.name} was not written by DeepSpeed's engine; resume as {saved}")
     if not sharded(manifest) and saved.stages != cfg.stages:
         raise ConfigError(
             f"--resume: {checkpoint.name} keeps its optimizer state per stage without ZeRO (zero_optimization.stage "
             f"0), which DeepSpeed cannot reshape; resume with {saved.stages} stages, {restart}"
         )
-    micro, was = trained["train_micro_batch_size_per_gpu"], accumulation(trained, saved.replicas) * saved.replicas
-    now = accumulation(cfg.deepspeed, replicas) * replicas
-    if cfg.deepspeed["train_micro_batch_size_per_gpu"] == micro and now == was:
-        return
-    if was % replicas:
-        fix = f"launch a replica count that divides {was}"
-    else:
-        fix = (f"set gradient_accumulation_steps={was // replicas}, train_batch_size={micro * was} and "
-               f"train_micro_batch_size_per_gpu={micro}")  # fmt: skip
-    raise ConfigError(
-        f"--resume: {checkpoint.name} took {was} micro-batches of {micro} a step as {saved}; as "
-        f"{Shape(cfg.stages, replicas)} this config takes {now} of {cfg.deepspeed['train_micro_batch_size_per_gpu']}; "
-        f"to go on with the run's batches, {fix}"
-    )
 
 
 # Settings that act only when a run starts (its first weights); a resume that changed them would ignore them.

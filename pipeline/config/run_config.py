@@ -105,6 +105,12 @@ class TrainConfig:
     # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
     # (pipeline/safety/divergence.py).
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # A resume goes on with the first micro-batch the run has not read, whatever its accumulation or shape.
+    # Changing what puts pairs into micro-batches (the training data, data.max_tokens, the micro-batch size
+    # without it, train.seed) leaves no such micro-batch: "refuse" such a resume (one line, before launch),
+    # or "next_epoch": start the new order at the start of the epoch after the one the checkpoint was in
+    # (pipeline/checkpoint/data_position.py).
+    on_data_change: Literal["refuse", "next_epoch"] = "refuse"
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
     grad_norm_interval: int = 0
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).

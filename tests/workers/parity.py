@@ -84,7 +84,7 @@ def main():
             admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         ScheduleHook(engine.module)(STEP)
         engine.save_checkpoint(str(save_dir), tag="before")
-        data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, accumulation=engine.gradient_accumulation_steps())
+        data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed)
         mine = [m for m in engine.module.modules() if isinstance(m, EncoderLayerPipe | DecoderLayerPipe)]
         with counting_gradient_accumulations(mine) as accumulated:
             loss = engine.train_batch(data_iter=data)

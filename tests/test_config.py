@@ -13,11 +13,13 @@ import pytest
 
 from common.errors import ConfigError
 from common.heap import CPU_HEAPS
-from common.run_layout import LATEST, META_FILE
+from common.jsonl import read_jsonl
+from common.run_layout import CONFIG_HISTORY, LATEST, META_FILE
 from model.norms import DEEPNORM_INITS, GROWTH, BranchNorm, DeepNorm
 from model.search import SearchConfig
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config import deepspeed_values
+from pipeline.config.history import record_config
 from pipeline.config.run_config import TrainConfig, ValidBleu, load_config
 from pipeline.train import main
 from tests.helpers import ROOT, launch
@@ -437,3 +439,20 @@ def test_every_decoder_searches_with_the_same_settings():
         search_config(args)
     with pytest.raises(ConfigError, match="train.valid_bleu.max_len_a: must be a finite number >= 0, got nan"):
         ValidBleu(max_len_a=float("nan"))
+
+
+def test_a_copied_run_directory_is_no_change_of_settings(tmp_path):
+    """A run copied elsewhere and resumed there printed `train.save_dir old -> new` as a change of its
+    settings and started a new stretch in config_history.jsonl."""
+    config = load_config(DEFAULT, world_size=None).to_dict()
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    original.mkdir()
+    record_config(original, {**config, "train": {**config["train"], "save_dir": str(original)}}, 0)
+    shutil.copytree(original, copy)
+    moved = {**config, "train": {**config["train"], "save_dir": str(copy)}}
+    assert record_config(copy, moved, 100) == []
+    assert [r["from_step"] for r in read_jsonl(copy / CONFIG_HISTORY)] == [0]
+    assert json.loads((copy / "config.json").read_text())["train"]["save_dir"] == str(copy)
+    longer = {**moved, "train": {**moved["train"], "max_steps": 800}}
+    assert record_config(copy, longer, 200) == ["train.max_steps 400 -> 800"]
+    assert [r["from_step"] for r in read_jsonl(copy / CONFIG_HISTORY)] == [0, 200]

@@ -36,10 +36,14 @@ def shown(settings: dict[str, Any], key: str) -> str:
     return json.dumps(settings[key]) if key in settings else "unset"
 
 
+# Where the run lives, not how it trains: a run directory copied or moved elsewhere is the same run.
+LOCATION = ("train.save_dir",)
+
+
 def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """`key old -> new` for every setting that differs, in key order."""
     old, new = flat(before), flat(after)
-    keys = sorted(key for key in old.keys() | new.keys() if shown(old, key) != shown(new, key))
+    keys = sorted(key for key in old.keys() | new.keys() if key not in LOCATION and shown(old, key) != shown(new, key))
     return [f"{key} {shown(old, key)} -> {shown(new, key)}" for key in keys]
 
 
@@ -53,8 +57,9 @@ def record_config(save_dir: Path, config: dict[str, Any], step: int) -> list[str
         records = [{"from_step": 0, "config": json.loads((save_dir / CONFIG_FILE).read_text())}]
     records = [record for record in records if record["from_step"] < step]
     before = records[-1]["config"] if records else None
-    if config != before:
+    changed = [] if before is None else changes(before, config)
+    if before is None or changed:
         records.append({"from_step": step, "config": config})
     write_atomic(history, "".join(json.dumps(record) + "\n" for record in records))
     write_atomic(save_dir / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
-    return [] if before is None else changes(before, config)
+    return changed

@@ -7,18 +7,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from common.run_layout import deepspeed_state_types, latest_step, load_file, read_manifest
-from pipeline.checkpoint.reshape import OPTIMIZER_FILE, UNIVERSAL
+import pipeline.checkpoint.reshape as reshape
+from common.errors import exit_on_config_error
+from common.run_layout import MANIFEST, deepspeed_state_types, latest_step, load_file, read_manifest
+from pipeline.checkpoint.reshape import OPTIMIZER_FILE, UNIVERSAL, Shape, manifest_files
 from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
-
-pytestmark = pytest.mark.slow
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "reshaped_state.py"
@@ -106,6 +108,7 @@ def trained(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, shape", [("fp32", "1x2"), ("fp32", "3x1"), ("bf16", "1x2")])
 def test_a_reshaped_checkpoint_holds_the_same_state(trained, tmp_path, precision, shape):
     run = tmp_path / "run"
@@ -155,6 +158,7 @@ def kill_after_step(command: list[str], run: Path, step: int) -> None:
     process.wait()
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumed_on_each_new_shape_follows_the_uninterrupted_run(tmp_path):
     """2x1, killed, then --resume as 1x2 (2 -> 1 stages, 1 -> 2 replicas), 2x1 (1 -> 2 stages, 2 -> 1
     replicas), 3x1 (2 -> 3), 2x1 (3 -> 2), then 2x1 cut by decoder layers instead of by cost (the same stage
@@ -176,6 +180,7 @@ def test_a_killed_run_resumed_on_each_new_shape_follows_the_uninterrupted_run(tm
     assert not left, "the conversions left their scratch behind"
 
 
+@pytest.mark.slow
 def test_a_bf16_run_resumed_on_another_shape_follows_the_uninterrupted_run(trained, tmp_path):
     full, run = tmp_path / "full", tmp_path / "run"
     train("2x1", full, "train.max_steps=6", "train.save_interval=6", "bf16.enabled=true")
@@ -184,3 +189,194 @@ def test_a_bf16_run_resumed_on_another_shape_follows_the_uninterrupted_run(train
     assert "resuming global_step3 written as 2 stages x 1 replica as 1 stage x 2 replicas" in out
     differences = relative_differences(full, run)
     assert max(differences.values()) <= BF16_TOLERANCE, differences
+
+
+# Converting without the converter: convert() and prepare_reshape() on global rank 0, on a checkpoint that
+# has the files they read themselves (the converter is faked, or a small script).
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Path, dict]:
+    """A committed 2-stage checkpoint as convert() sees it: two 1 MB optimizer files, two 4 kB model-states
+    files and a layer file of 3 tensors; its universal copy needs about 2 x 2 MB + 8 kB + 3 x 44 KiB."""
+    checkpoint = tmp_path / "run" / "global_step3"
+    checkpoint.mkdir(parents=True)
+    torch.save({"weight": torch.ones(4, 4), "bias": torch.ones(4), "omega": torch.ones(1)},
+               checkpoint / "layer_01-model_states.pt")  # fmt: skip
+    for stage in range(2):
+        (checkpoint / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt").write_bytes(bytes(1_000_000))
+        (checkpoint / f"mp_rank_{stage:02d}_model_states.pt").write_bytes(bytes(4_000))
+    manifest = {"tag": checkpoint.name, "step": 3, "shape": Shape(2, 1, (0, 3, 6)).record(),
+                "files": manifest_files(checkpoint)}  # fmt: skip
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    return checkpoint, manifest
+
+
+@pytest.fixture
+def rank0(monkeypatch) -> None:
+    """prepare_reshape on global rank 0 of a 1 stage x 2 replicas launch, its broadcast to itself, 2 cores."""
+    monkeypatch.setattr(reshape.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(reshape.dist, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setattr(reshape, "engine_shape", lambda engine: Shape(1, 2, (0, 6)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+
+def free_space(monkeypatch, *free: int) -> None:
+    """The space the file systems have free, at each look in turn (then as at the last)."""
+    looks = iter(free)
+
+    def disk_usage(path) -> SimpleNamespace:
+        return SimpleNamespace(free=next(looks, free[-1]))
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+def mount(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def resume_error(checkpoint: Path, manifest: dict, capsys) -> tuple[int, list[str]]:
+    """The exit status and stderr lines of a resume whose reshape fails, as scripts/train.py ends."""
+    with pytest.raises(SystemExit) as exited, exit_on_config_error():
+        reshape.prepare_reshape(None, checkpoint, manifest)
+    return exited.value.code, capsys.readouterr().err.splitlines()
+
+
+def test_a_disk_too_full_for_the_universal_copy_is_one_line_before_converting(saved, rank0, monkeypatch, capsys):
+    """With 1.5 MB free the converter failed in torch's zip writer, and the line said to give up the reshape.
+    What a conversion killed with its job left (its scratch folder, a copy without a manifest) goes first."""
+    checkpoint, manifest = saved
+    for left in (f".global_step3{UNIVERSAL}.0123456789ab.tmp/global_step3{UNIVERSAL}/zero", f"global_step3{UNIVERSAL}"):
+        (checkpoint.parent / left).mkdir(parents=True)
+    free_space(monkeypatch, 1_500_000)
+    status, lines = resume_error(checkpoint, manifest, capsys)  # a converter started would fail the test
+    assert status == 1 and lines == [
+        f"fathom: error: no space left on {mount(checkpoint)}: the universal copy of global_step3 needs about "
+        "4.1 MB, 1.5 MB free; free space and run the same command again"
+    ]
+    assert [path.name for path in checkpoint.parent.iterdir()] == ["global_step3"]
+
+
+def failing_converter(returncode: int, stderr: str):
+    """subprocess.run for a converter that writes part of its output, then fails."""
+
+    def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        out = Path(command[command.index("--output_folder") + 1])
+        (out / "zero" / "decoder.weight").mkdir(parents=True)
+        (out / "zero" / "decoder.weight" / "fp32.pt").write_bytes(b"part of a file")
+        return subprocess.CompletedProcess(command, returncode, "", f"Traceback (most recent call last):\n{stderr}\n")
+
+    return run
+
+
+OPTIMIZER = "{checkpoint}/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+OOM = ("while converting global_step3 for the new shape; its 2 workers read up to about 2.0 MB of optimizer state "
+       "at once: free memory and run the same command again")  # fmt: skip
+GENERIC = "; resume on the shape it was saved in (2 stages x 1 replica), which needs no conversion"
+CONVERTER_FAILURES = {
+    "torch's writer on a full disk": (
+        1, "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", 1,
+        "no space left on {mount}: DeepSpeed's ds_to_universal could not write the universal copy of global_step3 "
+        "(RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598); it needs about "
+        "4.1 MB, 3.0 MB free; free space and run the same command again",
+    ),
+    "a directory on a full disk": (
+        1, "OSError: [Errno 28] No space left on device: '/x/zero/decoder.weight'", 1,
+        "no space left on {mount}: DeepSpeed's ds_to_universal could not write the universal copy of global_step3 "
+        "(OSError: [Errno 28] No space left on device: '/x/zero/decoder.weight'); it needs about 4.1 MB, 3.0 MB "
+        "free; free space and run the same command again",
+    ),
+    "a write failing with the space there": (
+        1, "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", 1,
+        "DeepSpeed's ds_to_universal could not write the universal copy of global_step3 on {mount} (RuntimeError: "
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598), which needs about 4.1 MB with 5.0 "
+        "MB free now: a disk quota, a file size limit (ulimit -f) or another writer filling the disk; lift it or "
+        "free space and run the same command again",
+    ),
+    "killed by the out-of-memory killer": (
+        -signal.SIGKILL, "", 2,
+        "--resume: DeepSpeed's ds_to_universal was killed by SIGKILL, most likely by the kernel's out-of-memory "
+        f"killer, {OOM}",
+    ),
+    "a worker killed": (
+        1, "concurrent.futures.process.BrokenProcessPool: A process in the process pool was terminated abruptly "
+        "while the future was running or pending.", 2,
+        f"--resume: DeepSpeed's ds_to_universal had a worker killed, most likely by the kernel's out-of-memory "
+        f"killer, {OOM}",
+    ),
+    "out of memory": (1, "MemoryError", 2, f"--resume: DeepSpeed's ds_to_universal ran out of memory, {OOM}"),
+    "a file it may not read": (
+        1, f"PermissionError: [Errno 13] Permission denied: '{OPTIMIZER}'", 1,
+        f"{OPTIMIZER}: Permission denied (DeepSpeed's ds_to_universal, converting global_step3 for the new shape); "
+        "make the file readable or restore it, and run the same command again",
+    ),
+    "a file the disk cannot read": (
+        1, f"OSError: [Errno 5] Input/output error: '{OPTIMIZER}'", 1,
+        f"{OPTIMIZER}: Input/output error (DeepSpeed's ds_to_universal, converting global_step3 for the new "
+        "shape); make the file readable or restore it, and run the same command again",
+    ),
+    "a file that does not unpickle": (
+        1, "_pickle.UnpicklingError: invalid load key, '\\x00'.", 2,
+        "--resume: DeepSpeed's ds_to_universal could not read a file of {checkpoint} (_pickle.UnpicklingError: "
+        "invalid load key, '\\x00'.); it passed its checksums, so it changed since or DeepSpeed cannot read it: "
+        "restore it from a copy, or resume on the shape it was saved in (2 stages x 1 replica)",
+    ),
+    "a crash": (-signal.SIGSEGV, "", 2,
+                "--resume: DeepSpeed's ds_to_universal could not convert {checkpoint} (ended by SIGSEGV)" + GENERIC),
+    "an unknown failure": (
+        1, "ValueError: Cannot parse dp_rank from x", 2,
+        "--resume: DeepSpeed's ds_to_universal could not convert {checkpoint} (ValueError: Cannot parse dp_rank "
+        "from x)" + GENERIC,
+    ),
+}  # fmt: skip
+
+
+# the cases where the converter filled the disk: less is free when it fails than when it started
+FILLED = {"torch's writer on a full disk": 3_000_000, "a directory on a full disk": 3_000_000}
+
+
+@pytest.mark.parametrize("case", CONVERTER_FAILURES)
+def test_a_converter_failure_is_named_for_what_it_is_and_leaves_nothing(saved, rank0, monkeypatch, capsys, case):
+    """Every failure of the converter used to say `could not convert ... (its last line); resume on the shape
+    it was saved in`, a full disk too; now each is one line naming the cause and its fix, exit 1 for a file
+    the system cannot write or read, and the part of the universal copy it wrote is removed."""
+    checkpoint, manifest = saved
+    returncode, stderr, status, line = CONVERTER_FAILURES[case]
+    monkeypatch.setattr(subprocess, "run", failing_converter(returncode, stderr.format(checkpoint=checkpoint)))
+    free_space(monkeypatch, 5_000_000, FILLED.get(case, 5_000_000))  # enough to start by the estimate
+    got, lines = resume_error(checkpoint, manifest, capsys)
+    want = "fathom: error: " + line.format(mount=mount(checkpoint), checkpoint=checkpoint)
+    assert (got, lines) == (status, [want])
+    assert [path.name for path in checkpoint.parent.iterdir()] == ["global_step3"]
+
+
+def test_a_resume_that_reuses_a_universal_copy_says_so(saved, rank0):
+    """It said `converted to DeepSpeed's universal form in 0.0 s` of a copy an earlier resume converted."""
+    checkpoint, manifest = saved
+    universal = checkpoint.with_name(f"global_step3{UNIVERSAL}")
+    universal.mkdir()
+    torch.save({"fp32": torch.ones(2)}, universal / "fp32.pt")
+    (universal / MANIFEST).write_text(json.dumps({**manifest, "files": manifest_files(universal)}))
+    assert reshape.prepare_reshape(None, checkpoint, manifest) == (
+        f"global_step3{UNIVERSAL}",
+        "global_step3 written as 2 stages x 1 replica as 1 stage x 2 replicas; reused its universal form, "
+        f"converted by an earlier resume (global_step3{UNIVERSAL})",
+    )
+
+
+@pytest.mark.slow
+def test_a_converter_killed_by_a_signal_says_so_and_leaves_nothing(saved, rank0, monkeypatch, capsys):
+    """A real process: the converter's return code is the negative signal number when it is killed."""
+    checkpoint, manifest = saved
+    script = ("import os, pathlib, signal, sys; out = pathlib.Path(sys.argv[1]); out.mkdir(); "
+              "(out / 'fp32.pt').write_bytes(b'part'); os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    monkeypatch.setattr(reshape, "converter_command", lambda checkpoint, out: [sys.executable, "-c", script, str(out)])
+    status, lines = resume_error(checkpoint, manifest, capsys)
+    assert status == 2 and lines == [
+        f"fathom: error: --resume: DeepSpeed's ds_to_universal was killed by SIGKILL, most likely by the kernel's "
+        f"out-of-memory killer, {OOM}"
+    ]
+    assert [path.name for path in checkpoint.parent.iterdir()] == ["global_step3"]

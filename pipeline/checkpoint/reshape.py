@@ -8,15 +8,19 @@ with DeepSpeed's own converter (`python -m deepspeed.checkpoint.ds_to_universal`
 beside it, adds the layer files (DeepSpeed's pipeline loader reads the weights from there) and commits it
 with a manifest, as training commits its checkpoints; every rank then loads it as a universal
 checkpoint. The original is only read. The next checkpoint the run commits is in the new shape, and
-the universal copy is removed then.
+the universal copy is removed then. Rank 0 converts only on a file system with the space the conversion
+takes; a conversion that fails says why (a full disk, memory, a file it could not read) in one line and
+leaves no part of the copy.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -100,47 +104,203 @@ def manifest_files(directory: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def converter_workers() -> int:
+    """The processes the converter reads and merges with: one per core, up to 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 def converter_command(checkpoint: Path, out: Path) -> list[str]:
-    """DeepSpeed's converter of `checkpoint` into its universal form in `out` (which it makes), with a
-    worker per core up to 4; `--inject_missing_state` adds the universal_checkpoint_info that only
+    """DeepSpeed's converter of `checkpoint` into its universal form in `out` (which it makes), with
+    converter_workers(); `--inject_missing_state` adds the universal_checkpoint_info that only
     Megatron-style clients save."""
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    workers = str(converter_workers())
     return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
             "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", workers,
             "--num_merge_workers", workers]  # fmt: skip
 
 
-def convert(checkpoint: Path, manifest: dict[str, Any]) -> Path:
-    """Writes the universal form of a committed checkpoint to CHECKPOINT.universal and commits it with
-    a manifest; returns its path. Reuses one committed earlier. Global rank 0 only."""
-    target = checkpoint.with_name(universal_tag(checkpoint.name))
-    if (done := read_manifest(target)) is not None and not any(
+# The disk a conversion takes at its peak. The converter first cuts the optimizer partitions into one
+# fragment file per parameter tensor and state (fp32, exp_avg, exp_avg_sq, step) under tmp/, then merges
+# them into zero/, and deletes tmp/ only after that: twice the optimizer state, plus per tensor eight
+# small torch files (about 1.5 kB of zip records each, rounded up to 4 KiB blocks) and three folders.
+# Measured with `du -sB1` on the 2-stage checkpoints tests/test_reshape.py trains (fp32 and bf16 alike:
+# 85 tensors, 2.84 MB of optimizer files, 8.9 kB of model states), converted with --keep_temp_folder:
+# tmp/ 4.86 MB and zero/ 4.51 MB, 9.39 MB in all, against 2 x 2.84 MB + 8.9 kB + 85 x 44 KiB = 9.53 MB.
+# On tmpfs, which gives folders no blocks, the same conversion took 8.34 MB at its peak (df before and after).
+# At 500L-500L (docs/BENCHMARKS.md: 231M parameters, 12 bytes each) the optimizer state dominates.
+TENSOR_OVERHEAD = 44 * 1024
+CONVERTER = "DeepSpeed's ds_to_universal"  # what the messages call it
+# A write the disk refused: torch's zip writer reports it as a file position it did not reach, or a failed
+# write, without the system's reason (common/files.py); the converter's folders and copies with the system's.
+FULL_DISK = re.compile(r"unexpected pos \d+ vs \d+|file write failed|No space left on device|Disk quota exceeded")
+OUT_OF_MEMORY = re.compile(r"\bMemoryError\b|DefaultCPUAllocator|Cannot allocate memory")
+FILE_ERROR = re.compile(r"\[Errno (\d+)\] ([^:]+): '([^']+)'")  # an OSError that names its file
+UNREADABLE = re.compile(r"UnpicklingError|PytorchStreamReader failed|EOFError")
+
+
+def universal_bytes(checkpoint: Path, manifest: dict[str, Any]) -> int:
+    """About the most disk space converting `checkpoint` takes at once (TENSOR_OVERHEAD). The layer files
+    hold each parameter tensor as one record of their zip archive: counted, not loaded."""
+    files = manifest["files"]
+    optimizer = sum(entry["bytes"] for name, entry in files.items() if OPTIMIZER_FILE.fullmatch(name))
+    states = sum(entry["bytes"] for name, entry in files.items() if STAGE_FILE.fullmatch(name))
+    tensors = 0
+    for name, entry in files.items():
+        if name.startswith("layer_") and entry["zip"]:
+            with zipfile.ZipFile(checkpoint / name) as archive:
+                tensors += sum(1 for record in archive.namelist() if "/data/" in record)
+    return 2 * optimizer + states + tensors * TENSOR_OVERHEAD
+
+
+def mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def megabytes(size: float) -> str:
+    return f"{size / 1e6:,.1f} MB" if size < 1e8 else f"{size / 1e6:,.0f} MB"
+
+
+def check_space(checkpoint: Path, need: int) -> None:
+    """Fails (as the system's ENOSPC, exit status 1) unless the checkpoint's file system has `need` bytes free."""
+    if (free := shutil.disk_usage(checkpoint.parent).free) < need:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {mount_point(checkpoint.parent)}: the universal copy of {checkpoint.name} needs about "
+            f"{megabytes(need)}, {megabytes(free)} free; free space and run the same command again",
+        )
+
+
+def last_line(output: str) -> str:
+    line = (output.strip().splitlines() or ["no output"])[-1].strip()
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def converter_error(
+    checkpoint: Path, manifest: dict[str, Any], need: int, result: subprocess.CompletedProcess
+) -> OSError | ConfigError:
+    """What a failed conversion says: a full disk, a lack of memory or an unreadable file named as such
+    (OSError for what the system could not write or read), anything else with the converter's last line."""
+    if result.returncode == -signal.SIGKILL:
+        return out_of_memory(
+            checkpoint, manifest, "was killed by SIGKILL, most likely by the kernel's out-of-memory killer"
+        )
+    if result.returncode < 0:
+        return failure(checkpoint, manifest, f"ended by {signal_name(-result.returncode)}")
+    output = result.stderr or result.stdout or ""
+    last = last_line(output)
+    if FULL_DISK.search(output):
+        return write_failure(checkpoint, need, last)
+    if "BrokenProcessPool" in output:  # a worker ended without an exception: killed
+        return out_of_memory(
+            checkpoint, manifest, "had a worker killed, most likely by the kernel's out-of-memory killer"
+        )
+    if OUT_OF_MEMORY.search(output):
+        return out_of_memory(checkpoint, manifest, "ran out of memory")
+    if named := FILE_ERROR.search(last):
+        return OSError(
+            int(named[1]),
+            f"{named[2]} ({CONVERTER}, converting {checkpoint.name} for the new shape); make the file readable or "
+            "restore it, and run the same command again",
+            named[3],
+        )
+    if UNREADABLE.search(last):
+        return ConfigError(
+            f"--resume: {CONVERTER} could not read a file of {checkpoint} ({last}); it passed its checksums, so it "
+            f"changed since or DeepSpeed cannot read it: restore it from a copy, or resume on the shape it was saved "
+            f"in ({saved_shape(manifest)})"
+        )
+    return failure(checkpoint, manifest, last)
+
+
+def write_failure(checkpoint: Path, need: int, last: str) -> OSError:
+    """The converter could not write (its `last` line): a full disk, unless the space is there now."""
+    free, where = shutil.disk_usage(checkpoint.parent).free, mount_point(checkpoint.parent)
+    if free < need:
+        return OSError(
+            errno.ENOSPC,
+            f"no space left on {where}: {CONVERTER} could not write the universal copy of {checkpoint.name} ({last}); "
+            f"it needs about {megabytes(need)}, {megabytes(free)} free; free space and run the same command again",
+        )
+    return OSError(
+        errno.ENOSPC,
+        f"{CONVERTER} could not write the universal copy of {checkpoint.name} on {where} ({last}), which needs about "
+        f"{megabytes(need)} with {megabytes(free)} free now: a disk quota, a file size limit (ulimit -f) or another "
+        "writer filling the disk; lift it or free space and run the same command again",
+    )
+
+
+def failure(checkpoint: Path, manifest: dict[str, Any], what: str) -> ConfigError:
+    """A conversion that failed for a reason fathom does not know: the shape it was saved in needs none."""
+    return ConfigError(
+        f"--resume: {CONVERTER} could not convert {checkpoint} ({what}); resume on the shape it was saved in "
+        f"({saved_shape(manifest)}), which needs no conversion"
+    )
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal
+        return f"signal {number}"
+
+
+def out_of_memory(checkpoint: Path, manifest: dict[str, Any], what: str) -> ConfigError:
+    """`what` happened to the converter; each of its workers holds one optimizer file at a time."""
+    workers = converter_workers()
+    sizes = sorted((e["bytes"] for n, e in manifest["files"].items() if OPTIMIZER_FILE.fullmatch(n)), reverse=True)
+    return ConfigError(
+        f"--resume: {CONVERTER} {what}, while converting {checkpoint.name} for the new shape; its "
+        f"{workers} workers read up to about {megabytes(sum(sizes[:workers]))} of optimizer state at once: free "
+        "memory and run the same command again"
+    )
+
+
+def reusable(target: Path) -> bool:
+    """Whether `target` is a universal copy committed earlier whose files are all whole."""
+    done = read_manifest(target)
+    return done is not None and not any(
         file_damage(target / name, entry, read=True) for name, entry in done["files"].items()
-    ):
-        return target
-    shutil.rmtree(target, ignore_errors=True)  # a conversion a crash interrupted
+    )
+
+
+def convert(checkpoint: Path, manifest: dict[str, Any]) -> bool:
+    """Writes the universal form of a committed checkpoint to CHECKPOINT.universal and commits it with
+    a manifest; False when it reuses one committed earlier. Global rank 0 only. A failure leaves no part
+    of it."""
+    target = checkpoint.with_name(universal_tag(checkpoint.name))
+    if reusable(target):
+        return False
+    # What a conversion a crash interrupted left, before its space is counted free
+    for partial in (target, *target.parent.glob(f".{target.name}.*.tmp")):
+        shutil.rmtree(partial, ignore_errors=True)
+    need = universal_bytes(checkpoint, manifest)
+    check_space(checkpoint, need)
     # The converter also writes `latest_universal` beside its output: both go in a scratch folder.
     scratch = unique_sibling(target)
-    work = scratch / target.name
     try:
         scratch.mkdir()
-        result = subprocess.run(converter_command(checkpoint, work), capture_output=True, text=True)
-        if result.returncode != 0:
-            lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
-            raise ConfigError(
-                f"--resume: DeepSpeed's ds_to_universal could not convert {checkpoint} ({lines[-1]}); "
-                "resume on the shape it was saved in"
-            )
-        for name in manifest["files"]:
-            if name.startswith("layer_"):  # the weights: DeepSpeed's pipeline loader reads them from the tag
-                link_or_copy(checkpoint / name, work / name)
-        universal = {**manifest, "tag": target.name, "source": checkpoint.name, "files": manifest_files(work)}
-        write_atomic(work / MANIFEST, json.dumps(universal, indent=1, sort_keys=True) + "\n")
-        os.replace(work, target)
-        fsync_dir(target.parent)
+        result = subprocess.run(converter_command(checkpoint, scratch / target.name), capture_output=True, text=True)
+        if result.returncode == 0:
+            commit(checkpoint, manifest, scratch / target.name, target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    if result.returncode != 0:  # told after the scratch is gone, so that the free space it reports is there
+        raise converter_error(checkpoint, manifest, need, result)
+    return True
+
+
+def commit(checkpoint: Path, manifest: dict[str, Any], work: Path, target: Path) -> None:
+    """Adds the layer files and a manifest to the converter's output `work`, and renames it `target`."""
+    for name in manifest["files"]:
+        if name.startswith("layer_"):  # the weights: DeepSpeed's pipeline loader reads them from the tag
+            link_or_copy(checkpoint / name, work / name)
+    universal = {**manifest, "tag": target.name, "source": checkpoint.name, "files": manifest_files(work)}
+    write_atomic(work / MANIFEST, json.dumps(universal, indent=1, sort_keys=True) + "\n")
+    os.replace(work, target)
+    fsync_dir(target.parent)
 
 
 def link_or_copy(source: Path, target: Path) -> None:
@@ -168,17 +328,22 @@ def prepare_reshape(
     saved, now = saved_shape(manifest), engine_shape(engine)
     if now.loads(saved, sharded(manifest)):
         return None
-    outcome: list[str | float] = [0.0]
+    # rank 0's seconds converting (None: it reused a copy), or what stopped it, raised on every rank as it is:
+    # an OSError ends the job with exit status 1, a ConfigError with 2
+    outcome: list[float | Exception | None] = [None]
     if dist.get_rank() == 0:
         started = time.perf_counter()
         try:
-            convert(checkpoint, manifest)
-            outcome[0] = time.perf_counter() - started
+            converted = convert(checkpoint, manifest)
+            outcome[0] = time.perf_counter() - started if converted else None
         except (ConfigError, OSError) as err:
-            outcome[0] = str(err)
+            outcome[0] = err
     dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], str):
-        raise ConfigError(outcome[0])
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
     bounds = f" (stage bounds {list(saved.bounds)} -> {list(now.bounds)})" if saved.stages == now.stages else ""
-    took = f"converted to DeepSpeed's universal form in {outcome[0]:.1f} s"
-    return universal_tag(checkpoint.name), f"{checkpoint.name} written as {saved} as {now}{bounds}; {took}"
+    if outcome[0] is None:
+        how = f"reused its universal form, converted by an earlier resume ({universal_tag(checkpoint.name)})"
+    else:
+        how = f"converted to DeepSpeed's universal form in {outcome[0]:.1f} s"
+    return universal_tag(checkpoint.name), f"{checkpoint.name} written as {saved} as {now}{bounds}; {how}"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.checkpoint import saving
+from pipeline.checkpoint.data_position import POSITION
 from pipeline.config.run_config import resolve_run
 from pipeline.launched import init_distributed, run_launched
 from pipeline.train import SCHEDULE_OFFSET, build_engine
@@ -16,12 +17,12 @@ from pipeline.train import SCHEDULE_OFFSET, build_engine
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # added by the launcher
     config_path, out, world_size = args[0], Path(args[1]), int(args[2])
-    cfg, _ = resolve_run(config_path, args[3:], world_size=world_size)
+    cfg, corpus = resolve_run(config_path, args[3:], world_size=world_size)
     init_distributed()
     engine = build_engine(cfg)
-    client_state = saving.load(engine, cfg.train.save_dir)
+    client_state, _ = saving.load(engine, cfg.train.save_dir, cfg, corpus)
     out.mkdir(parents=True, exist_ok=True)
-    kept = {SCHEDULE_OFFSET: client_state[SCHEDULE_OFFSET]}  # what training keeps beside DeepSpeed's state
+    kept = {key: client_state[key] for key in (SCHEDULE_OFFSET, POSITION)}  # what training keeps beside DeepSpeed's
     saving.save(engine, out, kept, best=False, schedule_step=engine.global_steps)
 
 

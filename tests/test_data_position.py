@@ -82,7 +82,7 @@ def test_a_change_of_what_fills_the_micro_batches_is_refused_or_starts_the_next_
     cfg, corpus = run(*overrides, "train.on_data_change=next_epoch")
     consumed, where = resume_position(saved_after(30), cfg, corpus, "global_step7")
     assert consumed == 2 * epoch_length(corpus.lengths(), cfg.batch_size, cfg.train.seed)
-    assert where.endswith("data from the start of epoch 3 in the new order")
+    assert where.endswith(f"data from micro-batch {consumed}, the start of epoch 3 in the new order")
 
 
 def test_a_checkpoint_at_an_epochs_end_starts_the_next_one_not_the_one_after():

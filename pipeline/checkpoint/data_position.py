@@ -102,4 +102,5 @@ def resume_position(
     epoch = next_epoch(saved, corpus)
     if cfg.train.on_data_change == "refuse":
         raise ConfigError(refusal(changed, saved["order"][changed], now[changed], Path(checkpoint).name, epoch))
-    return epoch * per_epoch, f"{changed} changed: data from the start of epoch {epoch + 1} in the new order"
+    first = epoch * per_epoch
+    return first, f"{changed} changed: data from micro-batch {first}, the start of epoch {epoch + 1} in the new order"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, write_slice
+from tests.helpers import ROOT, prepare_slice
 
 REAL_POPEN_INIT = subprocess.Popen.__init__
 
@@ -35,16 +35,8 @@ def root() -> Path:
 @pytest.fixture(scope="session")
 def multi30k_slice(tmp_path_factory) -> Path:
     """A prepared data directory from a few hundred real Multi30k pairs."""
-    from corpus.prepare import main as prepare_main
-
-    raw = tmp_path_factory.mktemp("raw")
     out = tmp_path_factory.mktemp("prepared") / "m30k"
-    prefixes = [write_slice(raw, "train", 400), write_slice(raw, "val", 60), write_slice(raw, "test_2016_flickr", 50)]
-    prepare_main(
-        ["--src", "de", "--tgt", "en", "--train", prefixes[0], "--valid", prefixes[1], "--test", prefixes[2]]
-        + ["--vocab-size", "400", "--out", str(out)]
-    )
-    return out
+    return prepare_slice(tmp_path_factory.mktemp("raw"), out, pairs=400, valid=60, test=50, vocab_size=400)
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,17 @@ def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:
     return str(out / name)
 
 
+def prepare_slice(raw: Path, out: Path, pairs: int, valid: int, test: int, vocab_size: int) -> Path:
+    """A prepared data directory `out` from the first `pairs`, `valid` and `test` real Multi30k pairs."""
+    from corpus.prepare import main as prepare_main
+
+    splits = {"train": pairs, "val": valid, "test_2016_flickr": test}
+    train, val, test_prefix = (write_slice(raw, name, lines) for name, lines in splits.items())
+    prepare_main(["--src", "de", "--tgt", "en", "--train", train, "--valid", val, "--test", test_prefix,
+                  "--vocab-size", str(vocab_size), "--out", str(out)])  # fmt: skip
+    return out
+
+
 def edit_prepared(data: Path, name: str, edit) -> None:
     """Rewrites a file of a prepared data directory with edit(its lines) and records it in meta.json, as if
     prepare_data had written it: data that is consistent, but not the data a run was trained on."""

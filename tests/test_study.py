@@ -1,9 +1,11 @@
 """The depth study's machinery on a tiny grid (seconds per cell): every cell through the real launcher,
 a cell made to diverge classified so, a killed study resumed without retraining finished cells, and
-the report rebuilt from the cells' logs alone. The classification rules on hand-made logs."""
+the report rebuilt from the cells' logs alone. The classification rules on hand-made logs; what a study
+keeps across runs (baseline, training, evaluation) on training faked in-process."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,9 +13,11 @@ import time
 
 import pytest
 
+from corpus.dataset import read_meta
 from pipeline.config.run_config import load_config
-from tests.helpers import ROOT, without_matplotlib
-from tools.study import check
+from tests.helpers import ROOT, prepare_slice, without_matplotlib
+from tools.source_use import unigram_nll
+from tools.study import check, run
 from tools.study import main as study_main
 from tools.study_grid import (
     CELL_FILE,
@@ -26,7 +30,7 @@ from tools.study_grid import (
     read_sittings,
     read_spec,
 )
-from tools.study_report import DIVERGED, STALLED, TRAINED, classify, cpu_text
+from tools.study_report import DIVERGED, STALLED, TRAINED, cell_list, cell_summary, classify, cpu_text, entry
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
 
@@ -221,6 +225,10 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
     assert (tmp_path / "study" / "report.md").read_text() == report
     assert (tmp_path / "study" / "grad_norm_heatmap.png").read_bytes()[:4] == b"\x89PNG"
 
+    edit_study(path, heatmap=None)  # the last report's heatmap would pass for this one's
+    assert study(path, "--report").wait(timeout=300) == 0
+    assert not (tmp_path / "study" / "grad_norm_heatmap.png").exists()
+
 
 @pytest.mark.parametrize(
     "change, message",
@@ -314,3 +322,169 @@ def test_a_cell_trained_under_other_settings_is_refused_not_mixed_in(tmp_path, c
         assert exc.value.code == 2 and len(err.splitlines()) == 1, err
         assert "cell pre_ln-1L was trained with model.dropout=0.3, the study now gives 0.1" in err, err
     assert sorted(p.name for p in (tmp_path / "study").iterdir()) == ["cells"]
+
+
+@pytest.fixture(scope="module")
+def other_slice(tmp_path_factory):
+    """Another prepared slice of Multi30k (fewer pairs): another unigram baseline."""
+    out = tmp_path_factory.mktemp("prepared") / "m30k-300"
+    return prepare_slice(tmp_path_factory.mktemp("raw"), out, pairs=300, valid=40, test=30, vocab_size=300)
+
+
+def fake_training(monkeypatch, status=0):
+    """tools.study.train_cell without a process: each cell's losses falling to train.max_steps and its
+    `latest` checkpoint, as a run that ended writes them; returns the names of the cells it trained."""
+    trained = []
+
+    def train(spec, cell, cfg):
+        directory = cell_dir(spec, cell)
+        directory.mkdir(parents=True, exist_ok=True)
+        records = [
+            {"step": s, "loss": 6.0 - s / 4, "grad_norm": 1.0, "tokens": 100} for s in range(1, cfg.train.max_steps + 1)
+        ]
+        (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (directory / "latest").write_text(f"global_step{cfg.train.max_steps}")
+        trained.append(cell.name)
+        return status
+
+    monkeypatch.setattr("tools.study.train_cell", train)
+    return trained
+
+
+def fake_evaluation(monkeypatch):
+    """Validation losses of a model that translates, and a BLEU; returns the cells it decoded."""
+    decoded = []
+    monkeypatch.setattr("tools.study.valid_nlls", lambda save_dir, data: (3.0, 4.0))
+    monkeypatch.setattr("tools.study.bleu", lambda spec, cfg, save_dir: decoded.append(save_dir.name) or 30.0)
+    return decoded
+
+
+def run_study(path):
+    """tools.study.run as the study command calls it, without its report (which draws)."""
+    spec = read_spec(path)
+    run(spec, check(spec, cells(spec)))
+    return spec
+
+
+def edit_study(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def move_data(path, data, other):
+    study = json.loads(path.read_text())
+    edit_study(path, overrides=[f"data.path={other}", *study["overrides"][1:]])
+
+
+def prepare_again(path, data, other):
+    shutil.rmtree(data)
+    shutil.copytree(other, data)
+
+
+@pytest.mark.parametrize("change", [move_data, prepare_again])
+def test_the_unigram_baseline_is_of_the_data_the_study_now_gives(
+    tmp_path, monkeypatch, multi30k_slice, other_slice, change
+):
+    """baseline.json kept the unigram loss of the data the study first ran on (4.8058 against the new
+    data's 4.8111) after data.path changed and the refused cell was retrained: every cell was classified
+    against the wrong number."""
+    data = tmp_path / "data"
+    shutil.copytree(multi30k_slice, data)
+    path = write_study(tmp_path, data)
+    fake_training(monkeypatch, status=3)  # diverged: nothing to evaluate
+    run_study(path)
+    change(path, data, other_slice)
+    shutil.rmtree(tmp_path / "study" / "cells")  # as the study's refusal says
+    run_study(path)
+    now = other_slice if change is move_data else data
+    kept = json.loads((tmp_path / "study" / "baseline.json").read_text())
+    assert kept["unigram_nll"] == unigram_nll(now) != unigram_nll(multi30k_slice)
+    assert kept["data"] == {str(now): read_meta(now / "meta.json")["files"]}
+
+
+def test_a_cell_trained_on_data_prepared_again_since_is_refused(
+    tmp_path, capsys, monkeypatch, multi30k_slice, other_slice
+):
+    """Data prepared again at the study's data.path: a finished cell, trained on the old data, was
+    reported beside cells trained on the new."""
+    data = tmp_path / "data"
+    shutil.copytree(multi30k_slice, data)
+    path = write_study(tmp_path, data)
+    fake_training(monkeypatch, status=3)
+    run_study(path)
+    prepare_again(path, data, other_slice)
+    for args in ([], ["--report"]):
+        with pytest.raises(SystemExit) as exc:
+            study_main(["--study", str(path), *args])
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"study: cell pre_ln-1L was trained on other data than the study now gives ({data}/" in err, err
+        assert f"remove {tmp_path / 'study' / 'cells' / 'pre_ln-1L'} to retrain that cell" in err, err
+
+
+def test_a_cells_evaluation_is_made_again_when_what_it_was_made_with_changed(tmp_path, monkeypatch, multi30k_slice):
+    """cell.json kept a cell's BLEU whatever the study's search settings became since."""
+    path = write_study(tmp_path, multi30k_slice)
+    trained, decoded = fake_training(monkeypatch), fake_evaluation(monkeypatch)
+    spec = run_study(path)
+    assert trained == decoded == [c.name for c in cells(spec)]
+    trained.clear(), decoded.clear()
+    run_study(path)
+    assert trained == decoded == []  # nothing changed: nothing done again
+
+    edit_study(path, search={"beam": 3})
+    spec = read_spec(path)
+    first = cells(spec)[0]
+    assert entry(cell_summary(spec, first, 5.0)) == (
+        "evaluating: training ended at step 12; evaluated with search.beam=2, the study now gives 3; the next run "
+        "evaluates it"
+    )
+    run_study(path)
+    assert trained == [] and decoded == [c.name for c in cells(spec)]
+    assert entry(cell_summary(spec, first, 5.0)) == "trained: 3.00 / 4.00, BLEU 30.0"
+
+
+def test_a_cell_stalled_when_evaluated_but_trained_by_other_margins_is_decoded(tmp_path, monkeypatch, multi30k_slice):
+    """The margins are constants that --report reapplies: a cell that stalled when evaluated (so no BLEU)
+    but trains by changed margins was a KeyError on its BLEU."""
+    path = write_study(tmp_path, multi30k_slice)
+    fake_training(monkeypatch)
+    decoded = fake_evaluation(monkeypatch)
+    monkeypatch.setattr("tools.study.valid_nlls", lambda save_dir, data: (4.2, 5.0))  # unigram 4.48: stalled
+    spec = run_study(path)
+    assert decoded == []
+    monkeypatch.setattr("tools.study_report.BASELINE_MARGIN", 0.1)
+    assert entry(cell_summary(spec, cells(spec)[0], unigram_nll(multi30k_slice))) == (
+        "evaluating: training ended at step 12; stalled when evaluated, so not decoded, but trained by today's "
+        "margins; the next run evaluates it"
+    )
+    run_study(path)
+    assert decoded == [c.name for c in cells(spec)]
+
+
+def test_a_study_killed_while_evaluating_a_cell_reports_and_then_evaluates_it(tmp_path, monkeypatch, multi30k_slice):
+    """A study killed during a cell's evaluation showed `interrupted at step 12` for a cell that had
+    trained to the end, left it out of "Every cell", and its next run trained it again."""
+    path = write_study(tmp_path, multi30k_slice)
+    spec = read_spec(path)
+    trained = fake_training(monkeypatch)
+
+    def killed(save_dir, data):
+        raise KeyboardInterrupt  # what the study sees of a kill, here during the first cell's evaluation
+
+    monkeypatch.setattr("tools.study.valid_nlls", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(path)
+    first = cells(spec)[0]
+    summaries = {cell: cell_summary(spec, cell, 5.0) for cell in cells(spec)}
+    assert entry(summaries[first]) == (
+        "evaluating: training ended at step 12; evaluation interrupted; the next run evaluates it"
+    )
+    assert "| pre_ln-1L | evaluating | - | - | 100 |" in cell_list(summaries)
+    seconds = json.loads((cell_dir(spec, first) / CELL_FILE).read_text())["seconds"]
+
+    fake_evaluation(monkeypatch)
+    trained.clear()
+    run_study(path)
+    assert trained == [c.name for c in cells(spec)[1:]]  # the first cell is evaluated, not trained again
+    result = json.loads((cell_dir(spec, first) / CELL_FILE).read_text())
+    assert (result["valid_nll"], result["bleu"], result["seconds"]) == (3.0, 30.0, seconds)

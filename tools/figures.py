@@ -7,14 +7,20 @@ from types import ModuleType
 from common.errors import ConfigError
 
 
-def pyplot(what: str) -> ModuleType:
-    """matplotlib.pyplot on the file-only backend; without matplotlib, one line naming the install
-    command. `what`: the command that draws, for that line."""
+def matplotlib_module(what: str) -> ModuleType:
+    """matplotlib itself, without pyplot: pyplot's first import on a machine builds a font cache by running
+    fc-list, which finding out whether matplotlib is installed need not do. Without it, one line naming the
+    install command; `what`: the command that draws, for that line."""
     try:
         import matplotlib
     except ModuleNotFoundError:
         raise ConfigError(f"{what} draws with matplotlib, which is not installed; pip install -e '.[plot]'") from None
-    matplotlib.use("Agg")  # files only, no display
+    return matplotlib
+
+
+def pyplot(what: str) -> ModuleType:
+    """matplotlib.pyplot on the file-only backend (see matplotlib_module)."""
+    matplotlib_module(what).use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     return plt

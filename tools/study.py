@@ -5,11 +5,17 @@ launcher and scripts/train.py, exactly as a user runs them.
     python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
 
 Every cell starts from the same experiment config (data order, batches, optimizer, schedule, seed) and
-changes only what its grid varies (tools/study_grid.py). A cell is a run directory STUDY/cells/NAME; it
-is finished once STUDY/cells/NAME/cell.json exists, so the same command again skips finished cells and
-resumes an interrupted one from its last checkpoint. Each start of a cell's training (a sitting) is
+changes only what its grid varies (tools/study_grid.py). A cell is a run directory STUDY/cells/NAME; its
+training has ended once STUDY/cells/NAME/cell.json exists, so the same command again skips those cells
+and resumes an interrupted one from its last checkpoint. Each start of a cell's training (a sitting) is
 recorded with the CPU it ran on. Each finished cell is classified from its own logs
 (tools/study_report.py), and the report is rebuilt from them alone.
+
+What a study keeps across runs records what it was computed from, and is computed again, or refused,
+when that differs: baseline.json (the data's path and checksums: computed again), a cell's training
+(cell.json's data: refused), a cell's evaluation (cell.json's checkpoint and search settings: made
+again; the report shows the cell as `evaluating` until then). The report and its figures are drawn anew
+each time.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from common.run_layout import CONFIG_FILE, META_FILE, latest_tag
 from corpus.dataset import BinarizedCorpus
 from model.norms import SCHEMES
 from pipeline.config.history import flat, read_back
-from pipeline.config.run_config import RunConfig, read_json, with_vocab
+from pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
 from pipeline.safety.divergence import NONFINITE_EXIT
-from tools.figures import pyplot
+from tools.figures import matplotlib_module
 from tools.preparation_speed import cpu
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
@@ -46,13 +52,16 @@ from tools.study_grid import (
     cell_overrides,
     cell_records,
     cells,
+    changed_data,
     check_overrides,
-    read_baseline,
+    data_record,
+    evaluation_inputs,
     read_cell,
     read_spec,
     sittings_path,
+    training,
 )
-from tools.study_report import STUDY, TRAINED, classify, write_report
+from tools.study_report import STUDY, TRAINED, classify, evaluation_due, write_report
 
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
@@ -105,25 +114,46 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     return BLEU().corpus_score(hypotheses, [references]).score
 
 
-def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, status: int, seconds: float) -> dict[str, Any]:
-    """What the report needs beyond the run's logs: the exit status, the training time, and for a cell
-    that ended with weights, its validation loss with real and shuffled sources and, if it trained,
-    its validation BLEU; and the seconds the evaluation took."""
-    directory = cell_dir(spec, cell)
-    record: dict[str, Any] = {"exit": status, "seconds": seconds}
+def train(spec: StudySpec, cell: Cell, cfg: RunConfig, data: dict[str, Any]) -> dict[str, Any]:
+    """Trains the cell and writes what its cell.json keeps of the training: the exit status, the time and
+    the data it trained on (`data`, a data record). Written before the evaluation, so a study killed
+    during it keeps them, and its next run evaluates the cell instead of training it again."""
     tick = time.monotonic()
-    if status == 0 and latest_tag(directory) is not None:
+    status = train_cell(spec, cell, cfg)
+    result = {"exit": status, "seconds": time.monotonic() - tick, "data": data}
+    write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, result: dict[str, Any], baseline: float) -> dict[str, Any]:
+    """The cell's cell.json with what the report needs beyond the run's logs: what the evaluation was made
+    of, for a cell that ended with weights its validation loss with real and shuffled sources and, if it
+    trained (by the unigram `baseline`), its validation BLEU; and the seconds the evaluation took."""
+    directory = cell_dir(spec, cell)
+    record = {**training(result), "evaluated": evaluation_inputs(spec, cell)}
+    tick = time.monotonic()
+    if record["exit"] == 0 and latest_tag(directory) is not None:
         record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.directory))
-        if classify(cell_records(directory), record, read_baseline(spec), cfg)[0] == TRAINED:
+        if classify(cell_records(directory), record, baseline, cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
     record["eval_seconds"] = time.monotonic() - tick
+    write_atomic(directory / CELL_FILE, json.dumps(record, indent=2) + "\n")
     return record
 
 
-def write_baseline(spec: StudySpec, data: Path) -> None:
-    path = Path(spec.out) / BASELINE_FILE
-    if not path.exists():
-        write_atomic(path, json.dumps({"data": str(data), "unigram_nll": unigram_nll(data)}, indent=2) + "\n")
+def unigram_baseline(spec: StudySpec, data: Path) -> float:
+    """The target unigram baseline of `data`, kept in STUDY/baseline.json with the data record it was
+    computed from, and computed again (seconds) when the study's data is not that any more."""
+    path, computed_from = Path(spec.out) / BASELINE_FILE, data_record([str(data)])
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    if kept.get("data") == computed_from:
+        return kept["unigram_nll"]
+    nll = unigram_nll(data)
+    write_atomic(path, json.dumps({"data": computed_from, "unigram_nll": nll}, indent=2) + "\n")
+    if kept:
+        print(f"study: unigram baseline of {data}: {nll:.4f}, computed again (baseline.json had "
+              f"{kept['unigram_nll']:.4f}, not of this data as it is now)", flush=True)  # fmt: skip
+    return nll
 
 
 def duration(seconds: float) -> str:
@@ -149,6 +179,23 @@ def check_unchanged(spec: StudySpec, cell: Cell, cfg: RunConfig) -> None:
             )
 
 
+def check_same_data(spec: StudySpec, cell: Cell, data: dict[str, Any]) -> None:
+    """A cell whose training ended on other data than the study's `data` (a data record) now, moved or
+    prepared again in place, would be reported beside cells of that data: refused. A cell.json of an
+    older fathom recorded no data; its config's data.path is all there is to compare."""
+    result = read_cell(spec, cell)
+    if result is not None and "data" in result and (changed := changed_data(result["data"], data)):
+        raise ConfigError(
+            f"study: cell {cell.name} was trained on other data than the study now gives ({changed} differs); "
+            f"restore the data, choose a new study.out, or remove {cell_dir(spec, cell)} to retrain that cell"
+        )
+
+
+def study_data(configs: dict[Cell, RunConfig]) -> DataConfig:
+    """The data section every cell shares (check makes sure they do)."""
+    return next(iter(configs.values())).data
+
+
 def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
     """Everything a study is checked for before any cell trains; returns each cell's run config."""
     check_overrides(spec, grid)
@@ -158,11 +205,12 @@ def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
         raise ConfigError(
             f"study: every cell needs the same prepared data.path; the cells have {sorted(map(list, paths))}"
         )
-    data = paths.pop()[0]
-    corpus = BinarizedCorpus(data, "train")
+    shards = list(paths.pop())
+    corpus, record = BinarizedCorpus(shards[0], "train"), data_record(shards)
     for cell, cfg in configs.items():
         cfg.model = with_vocab(cfg.model, corpus)
         check_unchanged(spec, cell, cfg)
+        check_same_data(spec, cell, record)
     if spec.heatmap is not None and spec.heatmap not in (names := [cell.name for cell in grid]):
         raise ConfigError(f"study.heatmap: {spec.heatmap} is not a cell of this study; choose one of {names}")
     out = Path(spec.out)
@@ -176,30 +224,32 @@ def micro_batches(cfg: RunConfig) -> int:
     return cfg.train.max_steps * accumulation(cfg)
 
 
-def run(spec: StudySpec) -> None:
-    """Trains and evaluates every unfinished cell in order, one line per cell start and end."""
-    grid = cells(spec)
-    configs = check(spec, grid)
+def run(spec: StudySpec, configs: dict[Cell, RunConfig]) -> None:
+    """Trains every cell whose training has not ended and evaluates every cell whose evaluation is due,
+    in order (`configs`: check's), one line per cell start and end."""
+    grid = list(configs)
     Path(spec.out).mkdir(parents=True, exist_ok=True)
-    write_baseline(spec, Path(next(iter(configs.values())).data.directory))
-    # Seconds per unit of (depth + FIXED_DEPTH) x micro-batches, from the cells finished so far: the
+    data = study_data(configs)
+    baseline, record = unigram_baseline(spec, Path(data.directory)), data_record(data.shards)
+    # Seconds per unit of (depth + FIXED_DEPTH) x micro-batches, from the cells trained so far: the
     # estimate of the time left. The fixed part stands for what every cell pays whatever its depth
     # (start-up, the embeddings and output projection, evaluation).
     cost = {cell: (cell.depth + FIXED_DEPTH) * micro_batches(configs[cell]) for cell in grid}
     done = {cell: r for cell in grid if (r := read_cell(spec, cell)) is not None}
     for number, cell in enumerate(grid, 1):
-        if cell in done:
+        cfg, name = configs[cell], f"study: cell {number}/{len(grid)} {cell.name}"
+        if cell not in done:
+            print(f"{name}: training", flush=True)
+            done[cell] = train(spec, cell, cfg, record)
+        elif due := evaluation_due(spec, cell, done[cell], baseline, cfg):
+            print(f"{name}: evaluating ({due})", flush=True)
+        else:
             continue
-        print(f"study: cell {number}/{len(grid)} {cell.name}: training", flush=True)
-        tick = time.monotonic()
-        status = train_cell(spec, cell, configs[cell])
-        seconds = time.monotonic() - tick
-        done[cell] = evaluate(spec, cell, configs[cell], status, seconds)
-        write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(done[cell], indent=2) + "\n")
+        result = done[cell] = evaluate(spec, cell, cfg, done[cell], baseline)
         rate = sum(r["seconds"] + r.get("eval_seconds", 0) for r in done.values()) / sum(cost[c] for c in done)
         left = sum(cost[c] for c in grid if c not in done) * rate
-        print(f"study: cell {number}/{len(grid)} {cell.name}: ended ({'diverged' if status else 'finished'}) after "
-              f"{duration(seconds)}; about {duration(left)} left", flush=True)  # fmt: skip
+        print(f"{name}: {'diverged' if result['exit'] else 'finished'}, trained in {duration(result['seconds'])}, "
+              f"evaluated in {duration(result['eval_seconds'])}; about {duration(left)} left", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,12 +258,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
     args = parser.parse_args(argv)
     with exit_on_config_error():
-        pyplot(STUDY)  # the report draws: missing, found before hours of training
         spec = read_spec(args.study)
+        configs = check(spec, cells(spec))
+        matplotlib_module(STUDY)  # the report draws: missing, found before hours of training
         if args.report:
-            check(spec, cells(spec))
             if not (Path(spec.out) / BASELINE_FILE).exists():
                 raise ConfigError(f"study.out: {spec.out} has no finished cell yet; run the study without --report")
         else:
-            run(spec)
-        print(f"study: report written to {write_report(spec)}")
+            run(spec, configs)
+        baseline = unigram_baseline(spec, Path(study_data(configs).directory))
+        print(f"study: report written to {write_report(spec, baseline)}")

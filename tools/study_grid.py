@@ -14,24 +14,26 @@ import itertools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
-from common.run_layout import METRICS_FILE
+from common.run_layout import META_FILE, METRICS_FILE, latest_tag
 from common.sections import parse_section
+from corpus.dataset import read_meta
 from model.search import SearchConfig
 from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
-CELL_FILE = "cell.json"  # written when a cell's training has ended: its exit and evaluation
+CELL_FILE = "cell.json"  # written when a cell's training has ended, then again with its evaluation
+TRAINING = ("exit", "seconds", "data")  # what cell.json keeps of the training; the rest is the evaluation's
 SITTINGS = ".sittings.jsonl"  # STUDY/cells/NAME.sittings.jsonl: one line per start of the cell's training
-BASELINE_FILE = "baseline.json"
+BASELINE_FILE = "baseline.json"  # the target unigram baseline, with the data it was computed from
 VARIANT_NAME = re.compile(r"[A-Za-z0-9_.]+")
 
 
@@ -296,5 +298,29 @@ def read_sittings(spec: StudySpec, cell: Cell) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.exists() else []
 
 
-def read_baseline(spec: StudySpec) -> float:
-    return json.loads((Path(spec.out) / BASELINE_FILE).read_text())["unigram_nll"]
+def training(result: dict[str, Any]) -> dict[str, Any]:
+    """What a cell.json keeps of the cell's training, without its evaluation."""
+    return {key: result[key] for key in TRAINING if key in result}
+
+
+def evaluation_inputs(spec: StudySpec, cell: Cell) -> dict[str, Any]:
+    """What a cell's evaluation is made from beside its data: the checkpoint, and the search of its BLEU."""
+    return {"checkpoint": latest_tag(cell_dir(spec, cell)), "search": asdict(spec.search)}
+
+
+def data_record(paths: list[str]) -> dict[str, Any]:
+    """Each prepared directory with the size and SHA-256 of each of its files, as its meta.json records
+    them (prepare_data wrote them; training verifies the files against them): what a cell trained on."""
+    return {path: read_meta(Path(path) / META_FILE).get("files") for path in paths}
+
+
+def changed_data(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first directory or file of data record `before` that `now` lacks or records otherwise (or the
+    first that only `now` has); None for the same data."""
+
+    def entries(record: dict[str, Any]) -> dict[str, Any]:
+        files = {f"{path}/{name}": item for path, names in record.items() for name, item in (names or {}).items()}
+        return {**dict.fromkeys(record, "directory"), **files}
+
+    old, new = entries(before), entries(now)
+    return next((name for name in [*old, *new] if old.get(name) != new.get(name)), None)

@@ -7,6 +7,10 @@ A cell is
   the target unigram baseline, or it ignores the source (validation loss with shuffled sources within a
   small margin of the real one);
 - `trained` otherwise.
+
+A cell whose evaluation is not the one to report (the study was killed while evaluating it, or the
+evaluation was made of another checkpoint or with other search settings than the study's now) is
+reported as `evaluating` with what its training logged, and the study's next run evaluates it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.run_layout import GRAD_NORMS_FILE
+from pipeline.config.history import flat, shown
 from pipeline.config.run_config import RunConfig
 from tools.figures import pyplot
 from tools.study_grid import (
@@ -33,16 +38,18 @@ from tools.study_grid import (
     cell_records,
     cells,
     combinations,
+    evaluation_inputs,
     grid_cell,
     number_text,
-    read_baseline,
     read_cell,
     read_sittings,
+    training,
     warmup_steps,
 )
 
 DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
 INTERRUPTED = "interrupted"  # not a class: a cell whose training has not ended
+EVALUATING = "evaluating"  # not a class: a cell whose training ended, without the evaluation to report
 CLASSES = (TRAINED, STALLED, DIVERGED)
 # Nats per target token. Below the unigram baseline by less than this is not learning the task; a
 # source-ignoring decoder is a language model, whose loss barely moves when the sources are shuffled.
@@ -75,17 +82,40 @@ def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: fl
     return TRAINED, f"validation loss {nll:.2f} ({shuffled:.2f} shuffled)"
 
 
+def evaluation_due(spec: StudySpec, cell: Cell, result: dict[str, Any], baseline: float, cfg: RunConfig) -> str | None:
+    """Why the evaluation in the cell's cell.json is not the one to report, None if it is: one that ended,
+    made of the cell's latest checkpoint with the study's search settings, with a BLEU if the cell trained
+    (the margins above, changed since, can turn a cell stalled when evaluated into a trained one)."""
+    if "eval_seconds" not in result:
+        return "evaluation interrupted"
+    if "evaluated" not in result:
+        return "evaluated by an older fathom, which did not record how"
+    made, now = flat(result["evaluated"]), flat(evaluation_inputs(spec, cell))
+    if key := next((key for key in now if made.get(key) != now[key]), None):
+        return f"evaluated with {key}={shown(made, key)}, the study now gives {shown(now, key)}"
+    if "bleu" not in result and classify(cell_records(cell_dir(spec, cell)), result, baseline, cfg)[0] == TRAINED:
+        return "stalled when evaluated, so not decoded, but trained by today's margins"
+    return None
+
+
 def cell_summary(spec: StudySpec, cell: Cell, baseline: float) -> dict[str, Any] | None:
     """The cell's class and results; for a cell stopped before it finished, the last step it logged
-    (the study's next run resumes it); None for a cell that has not started."""
+    (the study's next run resumes it), and for one whose evaluation is due, why; None for a cell that
+    has not started."""
     result = read_cell(spec, cell)
-    if result is None:
-        steps = [r["step"] for r in cell_records(cell_dir(spec, cell)) if "loss" in r]
-        return {"cell": cell.name, "class": INTERRUPTED, "step": steps[-1]} if steps else None
     records = cell_records(cell_dir(spec, cell))
-    label, why = classify(records, result, baseline, cell_config(spec, cell))
+    steps = [r["step"] for r in records if "loss" in r]
+    if result is None:
+        return {"cell": cell.name, "class": INTERRUPTED, "step": steps[-1]} if steps else None
+    cfg = cell_config(spec, cell)
+    if due := evaluation_due(spec, cell, result, baseline, cfg):
+        result = training(result)  # no numbers of an evaluation that is not this study's
+    label, why = classify(records, result, baseline, cfg)
+    if due and label != DIVERGED:  # diverged is known from the training's own logs
+        label, why = EVALUATING, f"training ended at step {max(steps, default=0)}; {due}; the next run evaluates it"
     tokens = [r["tokens"] for r in records if "tokens" in r]
     machines = dict.fromkeys(cpu_text(sitting) for sitting in read_sittings(spec, cell))
+    result = {key: value for key, value in result.items() if key != "data"}  # every file's checksum: for checks
     return {"cell": cell.name, "class": label, "why": why, **result,
             "tokens_per_update": sum(tokens) / len(tokens) if tokens else None, "cpus": list(machines)}  # fmt: skip
 
@@ -161,7 +191,7 @@ def cell_list(summaries: dict[Cell, dict[str, Any] | None]) -> str:
 def hours_by_class(summaries: dict[Cell, dict[str, Any] | None]) -> str:
     hours = dict.fromkeys(CLASSES, 0.0)
     for s in summaries.values():
-        if s is not None and s["class"] != INTERRUPTED:
+        if s is not None and s["class"] in hours:
             hours[s["class"]] += (s["seconds"] + s.get("eval_seconds", 0)) / 3600
     return ", ".join(f"{label} {h:.2f} h" for label, h in hours.items())
 
@@ -303,20 +333,24 @@ def source_gap(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], ou
     return drawn
 
 
-def write_report(spec: StudySpec) -> Path:
-    """STUDY/report.md with its figures and STUDY/summary.json, from the cells' logs; returns the report."""
+def write_report(spec: StudySpec, baseline: float) -> Path:
+    """STUDY/report.md with its figures and STUDY/summary.json, from the cells' logs and the unigram
+    `baseline` of the study's data; returns the report. Everything is drawn and written anew."""
     out = Path(spec.out)
-    baseline = read_baseline(spec)
     summaries = {cell: cell_summary(spec, cell, baseline) for cell in cells(spec)}
     divergence_map(spec, summaries, out / "divergence_map.png")
     loss_curves(spec, out / "valid_loss.png")
     early_steps(spec, out / "early_steps.png")
     figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
-    if heatmap(spec, out / "grad_norm_heatmap.png"):
-        figures.append("grad_norm_heatmap.png")
-    if source_gap(spec, summaries, out / "source_gap.png"):
-        figures.append("source_gap.png")
-    finished = [s for s in summaries.values() if s and s["class"] != INTERRUPTED]
+    for name, drawn in (
+        ("grad_norm_heatmap.png", heatmap(spec, out / "grad_norm_heatmap.png")),
+        ("source_gap.png", source_gap(spec, summaries, out / "source_gap.png")),
+    ):
+        if drawn:
+            figures.append(name)
+        else:  # an earlier report's (of another heatmap cell, say) would pass for this one's
+            (out / name).unlink(missing_ok=True)
+    finished = [s for s in summaries.values() if s and s["class"] in CLASSES]
     seconds = sum(s["seconds"] + s.get("eval_seconds", 0) for s in finished)
     lines = [
         f"# Depth study: {out.name}",

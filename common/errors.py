@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -52,3 +53,27 @@ def unknown_key_error(key: str, known: Iterable[str]) -> ConfigError:
 def closest(key: str, known: set[str] | frozenset[str]) -> str:
     match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
     return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def check_number(option: str, value: float | None, least: float, most: float | None = None, what: str = "") -> None:
+    """A command-line number out of [least, most] fails in one line; None (an option left out) passes.
+    `what` follows the bound: a unit (" piece") or what the edge means (" (0: the whole split)")."""
+    if value is None:
+        return
+    # NaN passes every comparison as false and infinity every lower bound: a float must be finite first
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{option}: must be a finite number, got {value}")
+    if value < least or (most is not None and value > most):
+        bound = f"at least {least}" if most is None else f"from {least} to {most}"
+        raise ConfigError(f"{option}: must be {bound}{what}, got {value}")
+
+
+def check_counts(counts: dict[str, int | None]) -> None:
+    """check_number for options that count something, each at least 1 (by option)."""
+    for option, value in counts.items():
+        check_number(option, value, 1)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers, e.g. 12,50,100 (a non-integer is argparse's error)."""
+    return tuple(int(value) for value in text.split(","))

@@ -82,8 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def last_checkpoints(save_dir: Path, k: int) -> list[Path]:
     """The k newest committed global_stepN checkpoints by N."""
-    if k < 2:
-        raise ConfigError(f"--last {k}: averaging needs at least 2 checkpoints; pass --last 2 or more")
     found = committed_checkpoints(save_dir)
     if len(found) < k:
         have = ", ".join(path.name for _, path in found) or "none"
@@ -237,6 +235,8 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """Checks everything, then averages; returns (output tag, summary)."""
     if (args.last is None) == (args.tags is None):
         raise ConfigError("pass exactly one of --last K (the K newest checkpoints) and --tags TAG TAG ...")
+    if args.last is not None and args.last < 2:
+        raise ConfigError(f"--last {args.last}: averaging needs at least 2 checkpoints; pass --last 2 or more")
     save_dir = Path(args.checkpoint)
     cfg = model_config(save_dir)
     chosen = named_checkpoints(save_dir, args.tags) if args.last is None else last_checkpoints(save_dir, args.last)

@@ -28,7 +28,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from common.errors import ConfigError, exit_on_config_error
+from common.errors import ConfigError, check_number, exit_on_config_error
 from common.files import check_output_dir, staged
 from common.run_layout import META_FILE
 from corpus import subwords
@@ -72,16 +72,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
     if args.vocab_size is None and not (args.spm_model or args.vocab_from):
         raise ConfigError("--vocab-size: required unless --spm-model or --vocab-from gives the model")
-    if args.vocab_size is not None and args.vocab_size < 8:
-        raise ConfigError(f"--vocab-size: {args.vocab_size} is too small; use at least 8")
-    if args.max_len < 1:
-        raise ConfigError(f"--max-len: must be at least 1 piece, got {args.max_len}")
-    if args.max_ratio is not None and not args.max_ratio >= 1:
-        raise ConfigError(f"--max-ratio: must be at least 1 (sides of equal length), got {args.max_ratio}")
-    if args.workers < 1:
-        raise ConfigError(f"--workers: must be at least 1, got {args.workers}")
-    if args.spm_sample < 1:
-        raise ConfigError(f"--spm-sample: must be at least 1 sentence, got {args.spm_sample}")
+    check_number("--vocab-size", args.vocab_size, 8)
+    check_number("--max-len", args.max_len, 1, what=" piece")
+    check_number("--max-ratio", args.max_ratio, 1, what=" (sides of equal length)")
+    check_number("--workers", args.workers, 1)
+    check_number("--spm-sample", args.spm_sample, 1, what=" sentence")
+    check_number("--spm-seed", args.spm_seed, 0)  # numpy's seeds are non-negative
     if args.vocab_from and (args.spm_model or args.separate_vocab):
         raise ConfigError("--vocab-from gives the models and dictionaries; leave out --spm-model and --separate-vocab")
     if args.spm_model and len(args.spm_model) > 2:
@@ -240,17 +236,19 @@ def chunks(split: SplitFiles) -> itertools.Iterator[Chunk]:
 @dataclass
 class Binarized:
     """A split encoded into SentencePiece ids (SPLIT.LANG.spm) and sentence end offsets
-    (SPLIT.LANG.ends), with its raw text written."""
+    (SPLIT.LANG.ends), with its raw text written. `counts`: the pairs each filter dropped, and the pairs
+    over --max-len a held-out split kept; `longest`: the longer side of its longest pair, in pieces."""
 
     pairs: int
-    dropped: dict[str, int]
+    counts: dict[str, int]
+    longest: int
 
 
 def binarize(
     split: SplitFiles, scanned: Scan, workers: Workers, filters: Filters, langs: tuple, tmp: Path
 ) -> Binarized:
-    pairs, ends = 0, [0, 0]  # tokens written so far per side: where the next sentence starts
-    dropped = {"dropped_empty": 0, "dropped_too_long": 0, "dropped_ratio": 0}
+    pairs, ends, longest = 0, [0, 0], 0  # ends: tokens written so far per side, where the next sentence starts
+    counts = {"dropped_empty": 0, "dropped_too_long": 0, "dropped_ratio": 0, "kept_too_long": 0}
     with ExitStack() as files:
         ids_out = [files.enter_context((tmp / f"{split.name}.{lang}.spm").open("wb")) for lang in langs]
         raw_out = [files.enter_context((tmp / f"{split.name}.raw.{lang}").open("wb")) for lang in langs]
@@ -265,12 +263,15 @@ def binarize(
                 raw_out[side].write(encoded.raw[side])
                 (ends[side] + np.cumsum(encoded.lengths[side])).tofile(ends_out[side])
                 ends[side] += int(encoded.lengths[side].sum())
-            dropped["dropped_empty"] += encoded.dropped_empty
-            dropped["dropped_too_long"] += encoded.dropped_long
-            dropped["dropped_ratio"] += encoded.dropped_ratio
+            counts["dropped_empty"] += encoded.dropped_empty
+            counts["dropped_too_long"] += encoded.dropped_long
+            counts["dropped_ratio"] += encoded.dropped_ratio
+            longer = np.maximum(*encoded.lengths)
+            counts["kept_too_long"] += int((longer > filters.max_len).sum())  # none in train, which drops them
+            longest = max(longest, int(longer.max(initial=0)))
             pairs += len(encoded.lengths[0])
             progress.update(encoded.pairs_read)
-    return Binarized(pairs, dropped)
+    return Binarized(pairs, counts, longest)
 
 
 def write_index(ends: Path, pairs: int, out: Path) -> None:
@@ -346,8 +347,8 @@ def prepare(args: argparse.Namespace) -> dict:
         train = binarized["train"]
         if not train.pairs:
             culprits = {
-                f"--max-len {args.max_len}": train.dropped["dropped_too_long"],
-                f"--max-ratio {args.max_ratio}": train.dropped["dropped_ratio"],
+                f"--max-len {args.max_len}": train.counts["dropped_too_long"],
+                f"--max-ratio {args.max_ratio}": train.counts["dropped_ratio"],
             }
             culprits = {option: count for option, count in culprits.items() if count}
             dropped = ", ".join(f"{count} over {option}" for option, count in culprits.items())
@@ -370,7 +371,12 @@ def prepare(args: argparse.Namespace) -> dict:
             "sentencepiece": spm_record,
             "filters": {"max_len": args.max_len, "max_ratio": args.max_ratio},
             "splits": {
-                s.name: {"pairs": binarized[s.name].pairs, **binarized[s.name].dropped, "source": s.prefix}
+                s.name: {
+                    "pairs": binarized[s.name].pairs,
+                    **binarized[s.name].counts,
+                    "longest": binarized[s.name].longest,
+                    "source": s.prefix,
+                }
                 for s in splits
             },
             "files": {f.name: file_record(f) for f in sorted(tmp.iterdir())},
@@ -379,13 +385,36 @@ def prepare(args: argparse.Namespace) -> dict:
     return meta
 
 
+def split_summary(name: str, split: dict) -> str:
+    if name == "train":
+        return (
+            f"train: {split['pairs']} pairs ({split['dropped_empty']} empty, {split['dropped_too_long']} over "
+            f"--max-len, {split['dropped_ratio']} over --max-ratio dropped)"
+        )
+    kept = split["kept_too_long"]
+    return f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty dropped, {kept} over --max-len kept)"
+
+
+def long_held_out_warning(name: str, split: dict, max_len: int) -> str | None:
+    """Held-out pairs over --max-len are kept, as fairseq-preprocess keeps them: validation and test must
+    see the real split. But no training pair reaches their length, and one such pair (often two lines run
+    together in the raw text) can dominate a validation loss: the count is said, and launch checks them
+    against model.max_positions."""
+    if not split["kept_too_long"]:
+        return None
+    return (
+        f"fathom: warning: {name} ({split['source']}): {split['kept_too_long']} of {split['pairs']} pairs are "
+        f"longer than --max-len {max_len} pieces (the longest {split['longest']}); kept, as held-out pairs are, "
+        "but no training pair is as long: check them for lines run together"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
         meta = prepare(args)
     for name, split in meta["splits"].items():
-        print(
-            f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty, {split['dropped_too_long']} over "
-            f"--max-len, {split['dropped_ratio']} over --max-ratio dropped)"
-        )
+        print(split_summary(name, split))
+        if warning := long_held_out_warning(name, split, args.max_len):
+            print(warning, file=sys.stderr)
     print(f"dictionaries: {meta['vocab']} entries; written to {args.out}")

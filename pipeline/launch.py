@@ -101,6 +101,11 @@ def launched_processes(args: argparse.Namespace) -> int:
         raise ConfigError("--include and --exclude: use one of them")
     if not 0 < args.master_port < 65536:
         raise ConfigError(f"--master_port {args.master_port}: not a TCP port; use one from 1024 to 65535")
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        raise ConfigError(f"--ssh_port {args.ssh_port}: not a TCP port; use the port sshd listens on (22)")
+    for flag, count in (("--num_nodes", args.num_nodes), ("--num_gpus", args.num_gpus)):
+        if count == 0 or count < -1:  # -1, the runner's default: all of them
+            raise ConfigError(f"{flag} {count}: must be at least 1, or left out for all")
     if (args.include or args.exclude) and (args.num_nodes >= 0 or args.num_gpus >= 0):
         raise ConfigError("--include/--exclude cannot be combined with --num_nodes or --num_gpus; drop one")
     # The runner's default hostfile (/job/hostfile, DLTS clusters) may be absent; one that was named must not.

@@ -4,6 +4,7 @@ rank, and scripts/launch.py before it launches anything. Each failure is a Confi
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -11,11 +12,13 @@ from common.files import check_makeable
 from common.run_layout import META_FILE, has_checkpoints
 from corpus.batches import ParallelCorpus, check_budget
 from model.layers import compiler_missing
+from model.model_config import ModelConfig
 from model.trained import check_init_from
 from pipeline import admin_profile
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import check_not_in_use
 from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from pipeline.launched import launched_world
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
@@ -29,6 +32,32 @@ def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
         )
 
 
+def check_valid_positions(valid: ParallelCorpus, model: ModelConfig) -> None:
+    """Validation pairs longer than model.max_positions, which no training pair is (check_fits). A learned
+    position table has no row for them: validation would fail after train.valid_interval steps, so they
+    are refused. Sinusoids reach any position, so they are evaluated, at positions training never saw,
+    and a few such pairs can dominate the validation loss: the first rank says how many (fairseq refuses
+    them unless --skip-invalid-size-inputs-valid-test leaves them out)."""
+    lengths = valid.lengths()
+    over = int((lengths > model.max_positions).sum())
+    if not over:
+        return
+    what = (
+        f"{over} of {len(lengths)} validation pairs are longer than model.max_positions {model.max_positions} "
+        f"(the longest {lengths.max()} tokens)"
+    )
+    fix = "remove them from the raw valid split and prepare the data again"
+    if model.learned_pos:
+        raise ConfigError(f"model.max_positions: {what}, past the learned position table; {fix}")
+    if launched_world().rank == 0:
+        print(
+            f"fathom: warning: {what}: validation evaluates them at positions no training pair reaches, and they "
+            f"weigh on the validation loss; {fix}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True) -> tuple[RunConfig, ParallelCorpus]:
     """Everything a run is checked for before any process group exists (scripts/launch.py runs it
     before launching); raises ConfigError. `checksums`: verify the data's checksums, not only sizes."""
@@ -37,10 +66,13 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
         raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
     admin_profile.check(cfg.model)
     check_fits(corpus, cfg)
-    if cfg.train.valid_interval > 0 and len(build_corpus(cfg, "valid", checksums)) == 0:
-        raise ConfigError(
-            "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
-        )
+    if cfg.train.valid_interval > 0:
+        valid = build_corpus(cfg, "valid", checksums)
+        if len(valid) == 0:
+            raise ConfigError(
+                "train.valid_interval: the validation set is empty; give it sentences or set 0 (no validation)"
+            )
+        check_valid_positions(valid, cfg.model)
     save_dir = Path(cfg.train.save_dir)
     check_makeable(save_dir, "train.save_dir")
     if (save_dir / META_FILE).exists():

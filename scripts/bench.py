@@ -16,71 +16,71 @@ import argparse
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import deepspeed
 import torch
 
-from common.errors import exit_on_config_error
+from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from common.files import check_writable_file, write_atomic
-from model.model_config import ModelConfig
+from model.model_config import NUM_SPECIAL, ModelConfig
 from pipeline.config.deepspeed_values import native_bf16_cpu
 from pipeline.launched import run_launched
 from tools.stage_balance import StageTime, stage_times
 from tools.training_speed import PRECISIONS, Bench, Result, check, matmul_peak, run, synthetic_batch, with_peak
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
-        return value
-
-    parse.__name__ = "integer"  # argparse turns a ValueError into "invalid integer value"
-    return parse
-
-
-positive = at_least(1)
-
-
-def positive_list(text: str) -> tuple[int, ...]:
-    return tuple(positive(v) for v in text.split(","))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     depth = parser.add_mutually_exclusive_group()
-    depth.add_argument("--layers", type=positive, default=6, help="encoder layers = decoder layers (default 6)")
+    depth.add_argument("--layers", type=int, default=6, help="encoder layers = decoder layers (default 6)")
     depth.add_argument(
-        "--depths", type=positive_list, help="depth scaling: each of these as encoder = decoder layers, e.g. 12,50,100"
+        "--depths", type=int_list, help="depth scaling: each of these as encoder = decoder layers, e.g. 12,50,100"
     )
-    parser.add_argument("--dim", type=positive, default=512)
-    parser.add_argument("--ffn", type=positive, default=2048)
-    parser.add_argument("--heads", type=positive, default=8)
-    parser.add_argument("--vocab", type=positive, default=8000, help="source and target vocabulary (separate tables)")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8000, help="source and target vocabulary (separate tables)")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--scheme", default="post_ln", help="model.norm_scheme (torchscale: post_ln, pre_ln, ...)")
-    parser.add_argument("--batch", type=positive, default=8, help="sentence pairs per step")
-    parser.add_argument("--src-len", type=positive, default=64, help="source tokens per sentence, eos included")
-    parser.add_argument("--tgt-len", type=positive, default=64, help="target tokens per sentence, eos included")
+    parser.add_argument("--batch", type=int, default=8, help="sentence pairs per step")
+    parser.add_argument("--src-len", type=int, default=64, help="source tokens per sentence, eos included")
+    parser.add_argument("--tgt-len", type=int, default=64, help="target tokens per sentence, eos included")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--steps", type=positive, default=5, help="timed steps (the median is reported)")
-    parser.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps before them")
-    parser.add_argument("--rounds", type=positive, default=1, help="the systems take turns this many times")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--rounds", type=int, default=1, help="the systems take turns this many times")
     parser.add_argument(
         "--compare", default="", help="comma-separated: torchscale, deepspeed, compiled (our layers, torch.compile)"
     )
-    parser.add_argument("--matmul-sizes", type=positive_list, default=(1024, 2048), help="square matmuls for the peak")
-    parser.add_argument("--threads", type=positive, help="torch threads for every measurement (default: torch's)")
+    parser.add_argument("--matmul-sizes", type=int_list, default=(1024, 2048), help="square matmuls for the peak")
+    parser.add_argument("--threads", type=int, help="torch threads for every measurement (default: torch's)")
     parser.add_argument(
         "--stage-times",
-        type=positive_list,
+        type=int_list,
         help="instead: forward + backward time of each pipeline stage at these stage counts, e.g. 2,4",
     )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every number in range, before anything is built or timed."""
+    check_counts({
+        "--layers": args.layers, "--dim": args.dim, "--ffn": args.ffn, "--heads": args.heads, "--batch": args.batch,
+        "--src-len": args.src_len, "--tgt-len": args.tgt_len, "--steps": args.steps, "--rounds": args.rounds,
+        "--threads": args.threads,
+    })  # fmt: skip
+    for option, values in {"--depths": args.depths or (), "--matmul-sizes": args.matmul_sizes}.items():
+        for value in values:
+            check_number(option, value, 1)
+    check_number("--warmup", args.warmup, 0)
+    check_number("--vocab", args.vocab, NUM_SPECIAL + 1, what=f" ({NUM_SPECIAL} special symbols and a word)")
+    if not 0 <= args.dropout < 1:  # also NaN
+        raise ConfigError(f"--dropout: must be in [0, 1), got {args.dropout}")
+    layers = 2 * (args.depths or (args.layers,))[0]  # a stage holds at least one Transformer layer
+    for stages in args.stage_times or ():
+        check_number("--stage-times", stages, 1, layers, what=" (the Transformer layers)")
 
 
 def bench_of(args: argparse.Namespace) -> Bench:
@@ -149,6 +149,7 @@ def stage_table(stages: int, times: list[StageTime]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
+        check_args(args)
         bench = bench_of(args)
         check(bench)
         if args.json:

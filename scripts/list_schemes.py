@@ -45,6 +45,10 @@ def registry_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     print(registry_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -41,7 +41,7 @@ def test_synthetic_batch_is_full_length_without_padding():
     "args, message",
     [
         (["--scheme", "nope"], "model.norm_scheme: unknown scheme 'nope'"),  # a traceback when first built
-        (["--warmup", "-1"], "argument --warmup: -1: must be at least 0"),
+        (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
         (["--json", "/no-dir/bench.json"], "--json /no-dir/bench.json: /no-dir is not a directory"),  # after timing
     ],
 )

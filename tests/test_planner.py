@@ -129,7 +129,7 @@ def test_stages_zero_is_refused_not_ignored(capsys):
     with pytest.raises(SystemExit) as exc:
         planner.main(["--config", str(ROOT / "ds_configs" / "default.json"), "--stages", "0"])
     assert exc.value.code == 2
-    assert "pipeline.stages: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--stages: must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from common.errors import check_number, exit_on_config_error
 from corpus.batches import MicroBatches
 from pipeline.config.run_config import resolve_run
 from pipeline.dropout_masks import DropoutMasks
@@ -41,7 +42,11 @@ def synchronize() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     world = launched_world()
-    cfg, corpus = resolve_run(args.config, [*args.override, "train.save_dir=/tmp/fathom-bench-masks"], world.size)
+    with exit_on_config_error(report=world.rank == 0):
+        check_number("--warmup", args.warmup, 0)
+        check_number("--blocks", args.blocks, 1)
+        check_number("--steps", args.steps, 1)
+        cfg, corpus = resolve_run(args.config, [*args.override, "train.save_dir=/tmp/fathom-bench-masks"], world.size)
     init_distributed()
     engine = build_engine(cfg)
     data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, data_parallel_rank=engine.grid.get_data_parallel_rank(),

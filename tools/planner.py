@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import ConfigError, exit_on_config_error
+from common.errors import ConfigError, check_counts, exit_on_config_error
 from common.run_layout import MEMORY_FILE
 from pipeline.config.deepspeed_values import accumulation
 from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
@@ -282,11 +282,10 @@ def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
+        check_counts({"--stages": args.stages, "--data-parallel": args.data_parallel, "--sentences": args.sentences,
+                      "--length": args.length})  # fmt: skip
         overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages is not None else [])]
         cfg = load_config(args.config, overrides, world_size=None)
-        for flag in ("data_parallel", "sentences", "length"):
-            if getattr(args, flag) is not None and getattr(args, flag) < 1:
-                raise ConfigError(f"--{flag.replace('_', '-')}: must be at least 1")
         memory = parse_size(args.gpu_memory) if args.gpu_memory else None
         shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)

@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from common.errors import check_number, exit_on_config_error
 from common.run_layout import latest_tag
 from pipeline.checkpoint.reshape import converter_command, universal_tag
 from tools.preparation_speed import Measured, cpu, mib, run_sampled
@@ -109,6 +110,8 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    with exit_on_config_error():
+        check_number("--port", args.port, 1, 65535)
     results = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

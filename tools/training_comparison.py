@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=("fathom", "torchscale"), default=["fathom", "torchscale"])
     args = parser.parse_args(argv)
     with exit_on_config_error():
+        if min(args.at) < 1:
+            raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")
         cfg, _ = resolve_run(args.config, args.override, world_size=None)
         if cfg.data.directory is None:
             raise ConfigError("data.path: compare_training needs a prepared data directory")
-        if min(args.at) < 1:
-            raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")
         if "torchscale" in args.models:
             torchscale_model(cfg.model, 8)  # its one-line error for a scheme torchscale lacks, before training
     for name in args.models:

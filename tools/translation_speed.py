@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from common.errors import ConfigError, exit_on_config_error
+from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from common.files import check_writable_file
 from common.heap import decoding_env, keep_freed_blocks
 from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus
+from model.model_config import NUM_SPECIAL, ModelConfig
 from model.reference_search import full_recompute_search
-from translation.translate import Translator, add_model_args
+from translation.translate import Translator, add_model_args, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
@@ -119,15 +120,15 @@ def run(args: argparse.Namespace) -> dict:
     systems = args.systems.split(",")
     if unknown := [s for s in systems if s not in SYSTEMS]:
         raise ConfigError(f"--systems: unknown system '{unknown[0]}'; choose from {', '.join(SYSTEMS)}")
-    if args.rounds < 1 or args.threads < 1:
-        raise ConfigError("--rounds and --threads: must be at least 1")
-    if args.sentences < 0:
-        raise ConfigError(f"--sentences: must be at least 0 (0: the whole split), got {args.sentences}")
+    search_cfg = search_config(args)
+    check_number("--sentences", args.sentences, 0, what=" (0: the whole split)")
+    check_number("--rounds", args.rounds, 1)
+    check_number("--threads", args.threads, 1)
     if args.json:
         check_writable_file(Path(args.json), "--json")
     torch.set_num_threads(args.threads)
     corpus = BinarizedCorpus(args.data, args.subset)
-    translator = Translator(args)
+    translator = Translator(args, search_cfg)
     sources = [corpus.sources[i] for i in range(min(args.sentences or len(corpus), len(corpus)))]
     with tempfile.TemporaryDirectory() as workdir:
         runners = {
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def parse_depth_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=depth_main.__doc__)
-    parser.add_argument("--depths", default="25,50,100", help="decoder depths, comma-separated")
+    parser.add_argument("--depths", type=int_list, default=(25, 50, 100), help="decoder depths, comma-separated")
     parser.add_argument("--encoder-layers", type=int, default=12)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8000)
@@ -203,6 +204,28 @@ def parse_depth_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+DEPTH_HEADS = 4  # attention heads of depth_main's models
+
+
+def check_depth_args(args: argparse.Namespace) -> list[str]:
+    """The searches to time; every refusal comes before any model is built."""
+    systems = args.systems.split(",")
+    if unknown := [s for s in systems if s not in ("incremental", "full")]:
+        raise ConfigError(f"--systems: unknown search '{unknown[0]}'; choose from incremental, full")
+    for depth in args.depths:
+        check_number("--depths", depth, 1)
+    check_counts({"--encoder-layers": args.encoder_layers, "--sentences": args.sentences, "--beam": args.beam,
+                  "--threads": args.threads})  # fmt: skip
+    check_number("--dim", args.dim, DEPTH_HEADS, what=" (one per head)")
+    if args.dim % DEPTH_HEADS:
+        raise ConfigError(f"--dim: {args.dim} is not divisible by the {DEPTH_HEADS} heads; pick a multiple")
+    check_number("--vocab", args.vocab, NUM_SPECIAL + 1, what=f" ({NUM_SPECIAL} special symbols and a word)")
+    # every hypothesis is forced to --length tokens, and the search stops one short of the positions
+    room = ModelConfig().max_positions - 1
+    check_number("--length", args.length, 1, room, what=" (model.max_positions - 1)")
+    return systems
+
+
 def depth_main(argv: list[str] | None = None) -> None:
     """Decoding time against decoder depth: randomly initialized models of one width, one batch of 15-token
     sources, every hypothesis forced to the same length (eos forbidden before it, the only choice after), so
@@ -210,26 +233,25 @@ def depth_main(argv: list[str] | None = None) -> None:
 
         python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30] [--sentences 64]
     """
-    from model import ModelConfig, Transformer
+    from model import Transformer
     from model.search import beam_search
 
     args = parse_depth_args(argv)
+    with exit_on_config_error():
+        systems = check_depth_args(args)
     keep_freed_blocks()
     torch.set_num_threads(args.threads)
-    searches = {"incremental": beam_search, "full": None}
-    systems = args.systems.split(",")
-    if "full" in systems:
-        searches["full"] = full_recompute_search
+    searches = {"incremental": beam_search, "full": full_recompute_search}
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, 15), generator=generator)
     src[:, -1] = 2  # eos
     print("| decoder layers | " + " | ".join(f"{s} seconds" for s in systems) + " | incremental seconds per layer |")
     print("| --- " * (len(systems) + 2) + "|")
-    for depth in map(int, args.depths.split(",")):
+    for depth in args.depths:
         torch.manual_seed(0)
         cfg = ModelConfig(
             encoder_layers=args.encoder_layers, decoder_layers=depth, embed_dim=args.dim, ffn_dim=4 * args.dim,
-            attention_heads=4, dropout=0.0, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab,
+            attention_heads=DEPTH_HEADS, dropout=0.0, src_vocab_size=args.vocab, tgt_vocab_size=args.vocab,
         )  # fmt: skip
         model = Transformer(cfg).eval()
         times = {}

@@ -21,7 +21,7 @@ from common.files import check_writable_file, write_atomic
 from common.heap import keep_freed_blocks
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
-from translation.translate import Translator, add_model_args
+from translation.translate import Translator, add_model_args, search_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,9 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def translate(args: argparse.Namespace, output: Path | None = None) -> tuple[list[str], list[str], float]:
     """(hypotheses, references) of the split, in the split's order, and the seconds the search took. The
-    data and the checkpoint are checked first, then that `output` can be written, then the search runs."""
+    search settings, the data and the checkpoint are checked first, then that `output` can be written, then
+    the search runs."""
+    search_cfg = search_config(args)
     corpus = BinarizedCorpus(args.data, args.subset)
-    translator = Translator(args)
+    translator = Translator(args, search_cfg)
     if output is not None:
         check_writable_file(output, "--output", {"the references": corpus.references()})
     sources = [corpus.sources[i] for i in range(len(corpus))]

@@ -84,10 +84,11 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
 
 
 class Translator:
-    """A run's model on a device, with the dictionaries and SentencePiece models of its data."""
+    """A run's model on a device, with the dictionaries and SentencePiece models of its data; `search_cfg`
+    is search_config(args), which its caller checks before any work."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.search_cfg = search_config(args)
+    def __init__(self, args: argparse.Namespace, search_cfg: SearchConfig):
+        self.search_cfg = search_cfg
         device, dtype = device_and_dtype(args.device, args.precision)
         self.data = PreparedData(args.data)
         self.model: Transformer = load_reference(args.checkpoint, args.tag).to(device, dtype)
@@ -195,11 +196,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     keep_freed_blocks()
     with exit_on_config_error():
+        search_cfg = search_config(args)  # before reading the input, which may be a large file or stdin
         lines = read_input(args.input)
         if args.output:
             check_writable_file(Path(args.output), "--output", {"--input": args.input, "--reference": args.reference})
         references = read_references(args.reference, len(lines)) if args.reference else None
-        translator = Translator(args)
+        translator = Translator(args, search_cfg)
         translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")
         text = "".join(line + "\n" for line in translations)
         if args.output:

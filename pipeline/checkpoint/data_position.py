@@ -35,8 +35,9 @@ def data_order(cfg: RunConfig, corpus: ParallelCorpus) -> dict[str, Any]:
     }
 
 
-def position_record(consumed: int, per_epoch: int, order: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint keeps: micro-batches read, how many make an epoch, and the order they came in."""
+def position_record(consumed: int, per_epoch: int | None, order: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint keeps: micro-batches read, how many make an epoch (None: not recorded), and the
+    order they came in."""
     return {"micro_batches": consumed, "per_epoch": per_epoch, "order": order}
 
 

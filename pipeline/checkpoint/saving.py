@@ -253,15 +253,17 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
             )
     verify(save_dir)
     checkpoint = save_dir / latest_tag(save_dir)
-    check_optimizer_state(save_dir, checkpoint, cfg.deepspeed)
-    check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size)
-    state = model_states(checkpoint) or {}
+    state = model_states(checkpoint) or {}  # read once: without ZeRO it holds stage 0's optimizer state
+    check_optimizer_state(save_dir, checkpoint, cfg.deepspeed, state)
+    check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size, state)
     replicas = world_size // cfg.stages
     resume_position(recorded_position(checkpoint, state, state.get("global_steps", 0), replicas, trained), cfg,
                     corpus, checkpoint)  # fmt: skip
 
 
-def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int) -> None:
+def check_shape(
+    save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, world_size: int, state: dict[str, Any]
+) -> None:
     """Fails in one line unless this launch can continue the checkpoint on its shape: a new stage count
     or replica count needs a checkpoint fathom can reshape (pipeline/checkpoint/reshape.py). The data goes
     on from the first micro-batch not read, on any shape (pipeline/checkpoint/data_position.py)."""
@@ -269,7 +271,7 @@ def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, w
     replicas = world_size // cfg.stages
     restart = f"or start a new run from its weights with train.init_from={save_dir}"
     if manifest is None:  # written before fathom recorded shapes: only its own shape loads it
-        was = Shape(stages, (model_states(checkpoint) or {}).get("dp_world_size", replicas))
+        was = Shape(stages, state.get("dp_world_size", replicas))
         if (was.stages, was.replicas) != (cfg.stages, replicas):
             raise ConfigError(
                 f"--resume: {checkpoint.name} was written as {was} before fathom reshaped checkpoints; resume as "
@@ -279,7 +281,7 @@ def check_shape(save_dir: Path, checkpoint: Path, stages: int, cfg: RunConfig, w
     saved = saved_shape(manifest)
     if (saved.stages, saved.replicas) == (cfg.stages, replicas):
         return
-    if not (model_states(checkpoint) or {}).get("ds_config"):
+    if not state.get("ds_config"):
         raise ConfigError(f"--resume: {checkpoint.name} was not written by DeepSpeed's engine; resume as {saved}")
     if not sharded(manifest) and saved.stages != cfg.stages:
         raise ConfigError(
@@ -304,10 +306,11 @@ def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
     return {"zero_optimization.stage": stage, "optimizer.type": str(optimizer.get("type", "")).lower(), **params}
 
 
-def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any]) -> None:
+def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any], state: dict[str, Any]) -> None:
     """Fails in one line unless the checkpoint's optimizer state (DeepSpeed's, in the form its precision,
-    ZeRO stage and optimizer gave it) is one this config's engine can load and go on with."""
-    saved = (model_states(checkpoint) or {}).get("ds_config")
+    ZeRO stage and optimizer gave it: its model states `state` say) is one this config's engine can load
+    and go on with."""
+    saved = state.get("ds_config")
     if saved is None:  # not written by DeepSpeed's engine
         return
     restart = f"or start a new run from its weights with train.init_from={save_dir}"

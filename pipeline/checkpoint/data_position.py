@@ -94,14 +94,16 @@ def resume_position(
     """The index, in this launch's order, of the first micro-batch a resume reads, and what to say of
     it; ConfigError when the order changed and train.on_data_change is refuse."""
     now = data_order(cfg, corpus)
-    per_epoch = epoch_length(corpus.lengths(), cfg.batch_size, cfg.train.seed)
     changed = changed_setting(saved["order"], now)
     if changed is None:
         consumed = saved["micro_batches"]
+        # The same order has the checkpoint's epochs: only one from before positions were recorded lacks the
+        # count, which would otherwise cost a pass over the corpus's lengths at every launch.
+        per_epoch = saved["per_epoch"] or epoch_length(corpus.lengths(), cfg.batch_size, cfg.train.seed)
         epoch, read = divmod(consumed, per_epoch)
         return consumed, f"data from micro-batch {consumed} (epoch {epoch + 1}: {read} of {per_epoch} read)"
     epoch = next_epoch(saved, corpus)
     if cfg.train.on_data_change == "refuse":
         raise ConfigError(refusal(changed, saved["order"][changed], now[changed], Path(checkpoint).name, epoch))
-    first = epoch * per_epoch
+    first = epoch * epoch_length(corpus.lengths(), cfg.batch_size, cfg.train.seed)
     return first, f"{changed} changed: data from micro-batch {first}, the start of epoch {epoch + 1} in the new order"

@@ -149,10 +149,10 @@ def load(
     reshaped = None if committed is None else prepare_reshape(engine, *committed)
     try:
         if reshaped is None:
-            path, client_state = engine.load_checkpoint(str(save_dir))
+            _, client_state = engine.load_checkpoint(str(save_dir))
         else:
             with universal_loading(engine):
-                path, client_state = engine.load_checkpoint(str(save_dir), tag=reshaped[0])
+                _, client_state = engine.load_checkpoint(str(save_dir), tag=reshaped[0])
     except RuntimeError as err:  # e.g. a state dict that does not fit the model, if check_resume was skipped
         first = (str(err).strip().splitlines() or ["RuntimeError"])[0]
         raise ConfigError(f"{save_dir}: the latest checkpoint does not fit this model ({first})") from None

@@ -66,6 +66,12 @@ def replace_stage_call(pipe: PipelineModule, offset: int, func: Callable[..., An
     pipe.forward_funcs[offset] = func
 
 
+def set_checkpoint_function(pipe: PipelineModule, func: Callable[..., Any]) -> None:
+    """What activation checkpointing calls as func(run_layers, *inputs). DeepSpeed picks its own when
+    the engine starts (pipeline.use_reentrant) and reads the attribute at every forward."""
+    pipe.activation_checkpoint_func = func
+
+
 def stage_bounds(pipe: PipelineModule) -> list[int]:
     """The first layer of each stage, then the layer count, as the partition cut them."""
     return [int(bound) for bound in pipe.parts]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from pipeline import admin_profile
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.data_position import POSITION, data_order, position_record
 from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.config.deepspeed_values import precision_warning
+from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
 from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
@@ -102,7 +101,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=copy.deepcopy(cfg.deepspeed),
+        config=engine_config(cfg.deepspeed),
     )
     if engine.grid.get_data_parallel_world_size() == 1 and engine.zero_optimization_stage() == 0:
         # Nothing to average, yet DeepSpeed would copy every gradient into one flat buffer, all-reduce

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -30,6 +31,21 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+@pytest.fixture
+def process_group(monkeypatch) -> None:
+    """torch.distributed for this one process, as scripts/bench.py makes it, for a test that builds
+    DeepSpeed's engine in-process. The group outlives the test (torch makes one per process); the
+    environment it reads does not: later tests' subprocesses (fairseq-train) would take its port."""
+    from tools.training_speed import init_single_process  # imports DeepSpeed: only where it is used
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")  # what teardown restores
+        monkeypatch.delenv(key)
+    init_single_process()  # sets them, unless an earlier test made the group
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        os.environ.setdefault(key, value)  # what DeepSpeed's engine reads beside the group
 
 
 @pytest.fixture(scope="session")

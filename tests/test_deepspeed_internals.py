@@ -33,7 +33,7 @@ from pipeline.deepspeed_internals import (
 from pipeline.specs import layer_specs
 from pipeline.train import build_engine
 from tests.helpers import ROOT
-from tools.training_speed import init_single_process, synthetic_batch
+from tools.training_speed import synthetic_batch
 
 
 def test_another_deepspeed_version_is_one_line(capsys):
@@ -52,12 +52,7 @@ def test_setup_pins_the_supported_version():
 
 
 @pytest.mark.slow
-def test_each_internal_does_what_fathom_relies_on(monkeypatch):
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        # init_single_process sets these; left in this process's environment, later tests' subprocesses
-        # (fairseq-train) would take them and try this process group's port
-        monkeypatch.setenv(key, "")
-    init_single_process()
+def test_each_internal_does_what_fathom_relies_on(process_group):
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
                       src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln")  # fmt: skip
     ds = {

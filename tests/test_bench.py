@@ -1,6 +1,8 @@
-"""The benchmark's arithmetic (scripts/bench.py times nothing here): model FLOPs against torch's own
-FLOP counter on a real training step, the fixed batch's layout, and its refusals of bad arguments."""
+"""The benchmark's arithmetic (scripts/bench.py times little here): model FLOPs against torch's own
+FLOP counter on a real training step, the fixed batch's layout, the autocast loop's precision, the
+profile's counts, and its refusals of bad arguments."""
 
+import math
 import subprocess
 import sys
 
@@ -9,11 +11,18 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.errors import ConfigError
 from model import ModelConfig, Transformer
 from model.loss import label_smoothed_cross_entropy
 from model.model_config import PAD
 from tests.helpers import ROOT
-from tools.training_speed import model_flops, synthetic_batch
+from tools.step_profile import ProfileBench, counted, profile_systems
+from tools.training_speed import check_device, model_flops, plain_loop, synthetic_batch
+
+TINY = ModelConfig(
+    encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2, src_vocab_size=20,
+    tgt_vocab_size=20,
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("n, m, src_len, tgt_len", [(2, 2, 16, 16), (3, 1, 12, 20)])
@@ -43,6 +52,11 @@ def test_synthetic_batch_is_full_length_without_padding():
         (["--scheme", "nope"], "model.norm_scheme: unknown scheme 'nope'"),  # a traceback when first built
         (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
         (["--json", "/no-dir/bench.json"], "--json /no-dir/bench.json: /no-dir is not a directory"),  # after timing
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: torch sees no CUDA GPU on this machine",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU"),
+        ),
     ],
 )
 def test_bench_refuses_bad_arguments_before_timing(args, message):
@@ -52,3 +66,53 @@ def test_bench_refuses_bad_arguments_before_timing(args, message):
     )  # fmt: skip
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+
+
+def test_a_device_torch_cannot_use_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--device cuda:1: torch sees no CUDA GPU on this machine; run on"):
+        check_device("cuda:1", engine=False)
+    with pytest.raises(ConfigError, match=r"^--device tpu: not a device here; choose cpu, cuda or cuda:N$"):
+        check_device("tpu", engine=False)
+
+
+def test_autocast_trains_fp32_weights_on_bf16_logits():
+    model = Transformer(TINY).train()
+    losses = []
+
+    def logits(src, prev):
+        out = model(src, prev)
+        losses.append(label_smoothed_cross_entropy(out, target).item())
+        assert out.dtype == torch.bfloat16  # the forward ran under autocast
+        return out
+
+    batch = synthetic_batch(20, 2, 5, 5)
+    target = batch[1]
+    step = plain_loop(model, logits, batch, "autocast", "cpu")
+    step()
+    step()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in trained)
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_profile_counts_aten_ops_and_no_kernels_on_a_cpu():
+    x = torch.randn(4, 4)
+    aten, launches, kernel_s = counted(lambda: (x @ x).relu_(), "cpu")
+    assert aten >= 2 and launches == 0 and kernel_s == 0
+
+
+@pytest.mark.slow  # builds and trains DeepSpeed's engine
+def test_profile_times_every_system(process_group):
+    bench = ProfileBench(
+        model=TINY, batch=2, src_len=5, tgt_len=4, micro_batches=2, checkpoint_interval=1, precision="fp32",
+        device="cpu", warmup=1, steps=2,
+    )  # fmt: skip
+    profiles = profile_systems(bench)
+    assert [p.system for p in profiles] == ["plain", "plain-checkpointed", "engine-deepspeed", "engine"]
+    plain, engine = profiles[0], profiles[-1]
+    for p in profiles:
+        assert p.step_s > 0 and p.aten_ops > 0 and p.kernel_launches == 0 and p.kernel_s == 0
+        assert p.depth == 2 and p.layer_passes == 4 * 2
+    # the engine recomputes every layer's forward in the backward pass: more ops than the plain loop
+    assert engine.aten_ops > plain.aten_ops

@@ -128,6 +128,8 @@ CASES = [
     Case("bench", "--threads", "0", "--threads: must be at least 1, got 0"),
     Case("bench", "--stage-times", "0", "--stage-times: must be from 1 to 12 (the Transformer layers), got 0"),
     Case("bench", "--stage-times", "2,13", "--stage-times: must be from 1 to 12 (the Transformer layers), got 13"),
+    Case("bench", "--micro-batches", "0", "--micro-batches: must be at least 1, got 0"),
+    Case("bench", "--checkpoint-interval", "-1", "--checkpoint-interval: must be at least 0 (0: none), got -1"),
     Case("estimate_memory", "--stages", "0", "--stages: must be at least 1, got 0"),
     Case("estimate_memory", "--data-parallel", "0", "--data-parallel: must be at least 1, got 0"),
     Case("estimate_memory", "--sentences", "0", "--sentences: must be at least 1, got 0"),

@@ -1,16 +1,20 @@
 """Training throughput of fathom's model, side by side with the machine's matmul peak, torchscale's
 EncoderDecoder at the same config, and DeepSpeed's pipeline engine at 1 stage (scripts/bench.py).
 
-Everything runs in one process on the CPU with the same torch threads, on one fixed batch of
-`batch` pairs of exactly `src_len` source and `tgt_len` target tokens (no padding, so every position
-is work), with the same AdamW and label-smoothed loss. Every timed section runs `warmup` untimed
-steps first; a training step's time is the median of the `steps` timed steps of every round (the
-systems take turns `rounds` times).
+Everything runs in one process on one device (the CPU with the same torch threads, or one GPU), on
+one fixed batch of `batch` pairs of exactly `src_len` source and `tgt_len` target tokens (no padding,
+so every position is work), with the same AdamW and label-smoothed loss. Every timed section runs
+`warmup` untimed steps first; a training step's time is the median of the `steps` timed steps of every
+round (the systems take turns `rounds` times). On a GPU every timed step ends in a synchronize: the
+device's work is timed, not the host's queueing of it.
 
-Precision: fp32, or bf16. The plain loops (ours and torchscale's) train pure bf16: parameters,
-gradients and AdamW's state in bf16, no fp32 master weights. DeepSpeed's engine runs bf16 as training
-does (ZeRO-1): bf16 parameters and gradients but fp32 master weights and optimizer state, so its
-"overhead" in bf16 includes those fp32 copies and the casts between them.
+Precision: fp32, bf16 or autocast. The plain loops (ours and torchscale's) train fp32 in fp32; bf16 as
+pure bf16: parameters, gradients and AdamW's state in bf16, no fp32 master weights; autocast as fp32
+weights with the forward and loss under torch.autocast to bf16. The "bf16-weights" peer is our plain
+loop in pure bf16 whatever the precision, so that one autocast run shows both. DeepSpeed's engine runs
+bf16 and autocast as training does (ZeRO-1): bf16 parameters and gradients but fp32 master weights and
+optimizer state, so its "overhead" in bf16 includes those fp32 copies and the casts between them. The
+matmul peak of bf16 and autocast is bf16's.
 """
 
 from __future__ import annotations
@@ -19,24 +23,28 @@ import contextlib
 import gc
 import io
 import itertools
+import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from torch import nn
 
 from common.errors import ConfigError
+from common.jsonl import read_jsonl
 from common.ports import free_port
 from corpus.batches import MicroBatch, collate
 from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
-from model.model_config import DTYPES, NUM_SPECIAL, ModelConfig
+from model.model_config import NUM_SPECIAL, ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
@@ -46,8 +54,9 @@ from pipeline.launched import release_shm_buffer
 from pipeline.train import build_engine
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
-PRECISIONS = ("fp32", "bf16")  # what the benchmark trains in
-PEERS = ("torchscale", "deepspeed", "compiled")  # what our plain loop ("fathom") can be compared with
+PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
+# What our plain loop ("fathom") can be compared with; bf16-weights: ours in pure bf16 whatever the precision.
+PEERS = ("torchscale", "deepspeed", "compiled", "bf16-weights")
 # ds_configs/default.json's optimizer, here for both the plain loops and the engine.
 ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001, "fused": True}
 
@@ -68,10 +77,12 @@ class Bench:
     warmup: int
     steps: int
     rounds: int = 1
+    device: str = "cpu"
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.precision]
+        """The matmuls' precision, and so the peak's: bf16 for bf16 and autocast."""
+        return torch.float32 if self.precision == "fp32" else torch.bfloat16
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -91,6 +102,26 @@ class Result:
     fathom_speedup: float | None = None  # torchscale rows: our tokens/s over torchscale's
     engine_overhead: float | None = None  # deepspeed rows: engine step time over our plain loop's, minus 1
     compile_speedup: float | None = None  # compiled rows: our eager step time over the compiled one's
+    bf16_speedup: float | None = None  # bf16-weights rows: their tokens/s over our plain loop's
+
+
+def synchronized(step: Step, device: str) -> Step:
+    """`step`, returning only once the device has finished its work: a GPU runs asynchronously, and
+    a step timed without this measures the host queueing kernels."""
+    if not device.startswith("cuda"):
+        return step
+
+    def step_and_wait() -> None:
+        step()
+        torch.cuda.synchronize(device)
+
+    return step_and_wait
+
+
+def to_device(batch: MicroBatch, device: str) -> MicroBatch:
+    """`batch`'s tensors on `device`."""
+    (src_tokens, prev_output_tokens), target = batch
+    return (src_tokens.to(device), prev_output_tokens.to(device)), target.to(device)
 
 
 def time_steps(step: Step, warmup: int, steps: int) -> list[float]:
@@ -105,13 +136,14 @@ def time_steps(step: Step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], warmup: int, repeats: int) -> float:
-    """FLOP/s of the fastest torch.mm of two n x n matrices (2 n^3 FLOPs) over `sizes`: what this
-    machine's BLAS reaches at this precision and thread count, the ceiling for a training step."""
+def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], warmup: int, repeats: int, device: str = "cpu") -> float:
+    """FLOP/s of the fastest torch.mm of two n x n matrices (2 n^3 FLOPs) over `sizes` on `device`: what
+    its BLAS reaches at this precision (and on a CPU, thread count), the ceiling for a training step."""
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        best = max(best, 2 * n**3 / min(time_steps(lambda a=a, b=b: torch.mm(a, b), warmup, repeats)))
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+        mm = synchronized(lambda a=a, b=b: torch.mm(a, b), device)
+        best = max(best, 2 * n**3 / min(time_steps(mm, warmup, repeats)))
     return best
 
 
@@ -146,49 +178,75 @@ def synthetic_batch(vocab: int, batch: int, src_len: int, tgt_len: int) -> Micro
     return collate(list(zip(src, tgt, strict=True)))
 
 
-def plain_loop(model: nn.Module, logits: Callable[..., torch.Tensor], batch: MicroBatch) -> Step:
-    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss."""
+def weights_dtype(precision: str) -> torch.dtype:
+    """What a plain loop holds its parameters in: bf16 only for pure bf16 (autocast keeps fp32 weights)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def plain_loop(
+    model: nn.Module, logits: Callable[..., torch.Tensor], batch: MicroBatch, precision: str, device: str
+) -> Step:
+    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss. `model` is
+    already on `device` in weights_dtype(precision)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
-    (src_tokens, prev_output_tokens), target = batch
+    (src_tokens, prev_output_tokens), target = to_device(batch, device)
+    autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=precision == "autocast")
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target).backward()
+        with autocast:
+            loss = label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target)
+        loss.backward()
         optimizer.step()
 
-    return step
+    return synchronized(step, device)
 
 
 @contextlib.contextmanager
-def fathom_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
-    model = Transformer(cfg).to(dtype).train()
-    yield plain_loop(model, model, batch)
+def fathom_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
+    model = Transformer(cfg).to(device, weights_dtype(precision)).train()
+    yield plain_loop(model, model, batch, precision, device)
 
 
 @contextlib.contextmanager
-def compiled_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+def bf16_weights_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
+    """Our plain loop in pure bf16 whatever `precision`: beside an autocast run, what bf16 weights save."""
+    with fathom_step(cfg, batch, "bf16", device) as step:
+        yield step
+
+
+@contextlib.contextmanager
+def compiled_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
     """Our plain loop with every Transformer layer compiled (train.compile); the warmup steps compile."""
-    model = Transformer(cfg).to(dtype).train()
+    model = Transformer(cfg).to(device, weights_dtype(precision)).train()
     compile_layers(model)
-    yield plain_loop(model, model, batch)
+    yield plain_loop(model, model, batch, precision, device)
 
 
 @contextlib.contextmanager
-def torchscale_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
+def torchscale_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
     (src_tokens, prev_output_tokens), _ = batch
-    model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2).to(dtype).train()
-    yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch)
+    model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2)
+    model = model.to(device, weights_dtype(precision)).train()
+    yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch, precision, device)
 
 
-def init_single_process() -> None:
-    """torch.distributed for this one process (world size 1, gloo), which the engine needs. Not
-    pipeline.launched.init_distributed: that one sets torch's thread count for launched ranks, and here
-    every system must run with the same threads."""
+def init_single_process(device: str = "cpu") -> None:
+    """torch.distributed for this one process (world size 1; gloo on a CPU, nccl on a GPU), which the
+    engine needs. Not pipeline.launched.init_distributed: that one sets torch's thread count for
+    launched ranks, and here every system must run with the same threads."""
     if dist.is_initialized():
         return
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    )
+    # DeepSpeed's engine places itself on its accelerator's device LOCAL_RANK: cuda:N's N.
+    local_rank = torch.device(device).index or 0
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+        "LOCAL_RANK": str(local_rank),
+    })  # fmt: skip
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        deepspeed.init_distributed(dist_backend="nccl")
+        return
     deepspeed.init_distributed(dist_backend="gloo")
     release_shm_buffer()  # DeepSpeed's CPU all-reduce segment in /dev/shm, which it never removes
 
@@ -211,33 +269,62 @@ def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, dtype: torch.dtype) -> Iterator[Step]:
-    init_single_process()
-    ds = deepspeed_config(batch[1].size(0), bf16=dtype == torch.bfloat16)
+def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
+    """The engine on its accelerator's device (init_single_process puts that on `device`); train_batch
+    moves the batch there itself."""
+    init_single_process(device)
+    ds = deepspeed_config(batch[1].size(0), bf16=precision != "fp32")
     check_deepspeed(ds, cfg, world_size=1)
     # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
     with contextlib.redirect_stdout(io.StringIO()):
         engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
     micro_batches = itertools.repeat(batch)
-    yield lambda: engine.train_batch(data_iter=micro_batches)
+    yield synchronized(lambda: engine.train_batch(data_iter=micro_batches), device)
     # The engine keeps the last logits (pipe_buffers) and loss; their autograd graph holds DeepSpeed's
     # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
     # (weights, optimizer state) would stay in memory until the process ends.
     clear_pipe_buffers(engine)
 
 
-BUILDERS: dict[str, Callable[[ModelConfig, MicroBatch, torch.dtype], contextlib.AbstractContextManager[Step]]] = {
+Builder = Callable[[ModelConfig, MicroBatch, str, str], contextlib.AbstractContextManager[Step]]
+BUILDERS: dict[str, Builder] = {
     "fathom": fathom_step,
     "torchscale": torchscale_step,
     "deepspeed": deepspeed_step,
     "compiled": compiled_step,
+    "bf16-weights": bf16_weights_step,
 }
+
+
+def check_device(device: str, engine: bool) -> None:
+    """`device` is the CPU or a CUDA GPU this machine has; with `engine`, also the device DeepSpeed's
+    engine will run on (its accelerator's, chosen when deepspeed is imported)."""
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        kind = None
+    if kind is None or kind.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: not a device here; choose cpu, cuda or cuda:N")
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {device}: torch sees no CUDA GPU on this machine; run on one or use --device cpu"
+            )
+        if (kind.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 on)")
+    accelerator = get_accelerator().device_name()
+    if engine and accelerator != kind.type:
+        raise ConfigError(
+            f"--device {device}: DeepSpeed's engine would run on its accelerator, {accelerator}; "
+            f"set DS_ACCELERATOR={kind.type} to time it there"
+        )
 
 
 def check(bench: Bench) -> None:
     """Fails before anything is timed on what would fail later: an unknown scheme, a vocabulary of
-    special symbols only, an unknown peer, a torchscale comparison torchscale cannot run."""
+    special symbols only, an unknown peer or device, a torchscale comparison torchscale cannot run."""
     build_scheme(bench.model)
+    check_device(bench.device, engine="deepspeed" in bench.peers)
     if bench.model.tgt_vocab_size <= NUM_SPECIAL:
         raise ConfigError(f"--vocab: {bench.model.tgt_vocab_size} leaves no words beside {NUM_SPECIAL} special symbols")
     unknown = set(bench.peers) - set(PEERS)
@@ -259,7 +346,7 @@ def check(bench: Bench) -> None:
 
 def step_times(system: str, cfg: ModelConfig, batch: MicroBatch, bench: Bench) -> list[float]:
     """Seconds of each timed training step of `system`, freshly built."""
-    with BUILDERS[system](cfg, batch, bench.dtype) as step:
+    with BUILDERS[system](cfg, batch, bench.precision, bench.device) as step:
         return time_steps(step, bench.warmup, bench.steps)
 
 
@@ -310,3 +397,69 @@ def compare(results: list[Result]) -> None:
             r.engine_overhead = r.step_s / ours[r.depth].step_s - 1
         elif r.system == "compiled":
             r.compile_speedup = ours[r.depth].step_s / r.step_s
+        elif r.system == "bf16-weights":
+            r.bf16_speedup = r.tokens_per_s / ours[r.depth].tokens_per_s
+
+
+SUMMARY_SYSTEMS = ("fathom", "bf16-weights", "torchscale", "deepspeed")  # gpu_check.sh's bench columns
+
+
+def gpu_check_summary(out: Path) -> str:
+    """scripts/gpu_check.sh's results in `out` as one markdown table: each bench shape's tokens/s and MFU
+    (of the matmul peak) per system, the profile's host ms per layer and micro-batch and GPU-busy
+    fraction, the 500L run's seconds per step and tests/test_gpu.py's outcome. Every piece shows its
+    exit status where it failed (124: its timeout)."""
+    if not out.is_dir():
+        raise ConfigError(f"--summarize {out}: not a directory; name the OUT_DIR scripts/gpu_check.sh wrote")
+
+    def status(name: str) -> str:
+        rc = out / f"{name}.rc"
+        code = rc.read_text().strip() if rc.exists() else "not run"
+        return "" if code == "0" else f"exit {code}"
+
+    rows = [["check", "fathom / plain", "bf16-weights", "torchscale", "engine", "engine / plain"]]
+    for rc in sorted(out.glob("bench*.rc")):
+        if not (result := rc.with_suffix(".json")).exists():
+            rows.append([rc.stem, status(rc.stem), "", "", "", ""])
+            continue
+        record = json.loads(result.read_text())
+        model, by_system = record["bench"]["model"], {r["system"]: r for r in record["results"]}
+        cells = [
+            f"{r['tokens_per_s']:,.0f} tok/s, MFU {r['peak_fraction']:.1%}" if (r := by_system.get(s)) else "-"
+            for s in SUMMARY_SYSTEMS
+        ]
+        ratio = (
+            f"x{by_system['deepspeed']['step_s'] / by_system['fathom']['step_s']:.2f}"
+            if "deepspeed" in by_system
+            else ""
+        )
+        shape = f"{model['encoder_layers']}L-{model['decoder_layers']}L d{model['embed_dim']} ffn{model['ffn_dim']}"
+        rows.append([f"bench {shape} batch {record['bench']['batch']}", *cells, ratio])
+    profile = out / "profile.json"
+    profiles = json.loads(profile.read_text())["results"] if profile.exists() else []
+    for depth in sorted({r["depth"] for r in profiles}):
+        by_system = {r["system"]: r for r in profiles if r["depth"] == depth}
+        plain, engine = by_system["plain"], by_system["engine"]
+        name = f"profile {depth}L-{depth}L"
+        host = [f"{r['step_s'] / r['layer_passes'] * 1e3:.3f} ms" for r in (plain, engine)]
+        busy = [f"{r['kernel_s'] / r['step_s']:.1%}" for r in (plain, engine)]
+        ratio = "x{:.2f} (DeepSpeed's settings x{:.2f}; plain checkpointed x{:.2f})".format(
+            *(by_system[s]["step_s"] / plain["step_s"] for s in ("engine", "engine-deepspeed", "plain-checkpointed"))
+        )
+        rows += [[f"{name}: host / layer / micro-batch", host[0], "", "", host[1], ratio]]
+        rows += [[f"{name}: GPU busy", busy[0], "", "", busy[1], ""]]
+    if not profile.exists():
+        rows.append(["profile", status("profile"), "", "", "", ""])
+    run_dir = out / "run500"
+    # A step's own time is its tokens over its tokens/s; the first two steps warm up.
+    steps = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    seconds = [r["tokens"] / r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
+    steady = seconds[2:] or seconds
+    model = json.loads((run_dir / "config.json").read_text())["model"] if (run_dir / "config.json").exists() else None
+    what = f"train {model['encoder_layers']}L-{model['decoder_layers']}L, 1 GPU" if model else "train500"
+    cell = f"{statistics.median(steady):.2f} s/step (median of {len(steady)})" if steady else ""
+    rows.append([what, "", "", "", " ".join(filter(None, (cell, status("train500")))), ""])
+    log = out / "test_gpu.txt"
+    last = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    rows.append(["tests/test_gpu.py", "", "", "", " ".join(filter(None, (*last, status("test_gpu")))), ""])
+    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]])

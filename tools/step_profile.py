@@ -1,0 +1,231 @@
+"""Where a deep, narrow training step's time goes: DeepSpeed's engine against a plain PyTorch loop of
+the same model, per Transformer layer and micro-batch (scripts/bench.py --profile).
+
+At depth with a small width, a layer's arithmetic is a few microseconds of device time; what sets
+the step's speed is the host: Python, autograd and the ATen ops and kernel launches it issues per
+layer. Both systems run one optimizer step over `micro_batches` micro-batches of the same fixed batch,
+with the same dropout, loss and AdamW:
+
+- plain: the single-process Transformer, gradients accumulated over the micro-batches, then AdamW;
+  no activation checkpointing and no gradient clipping: what the model itself costs, the reference;
+- plain-checkpointed: the same with every `checkpoint_interval`-th layer under torch's checkpoint
+  (reentrant, random states saved and restored): what recomputation costs a plain loop;
+- engine: what scripts/train.py runs, at one stage: build_engine (ZeRO-1, gradient clipping at 1.0)
+  with every `checkpoint_interval`-th layer's activations recomputed in the backward pass, as training
+  does at depth, and fathom's dropout reseeding per layer and micro-batch.
+
+So the engine's step time over the plain loop's is everything training adds to the model: the
+pipeline schedule, the recomputed forward, the reseeding, the clipping and ZeRO's copies. A third
+system, engine-deepspeed, is the same engine with DeepSpeed's own settings where fathom picks others
+(its checkpoint function, contiguous_gradients, its throughput timer): what those choices save.
+
+Precision: fp32, or bf16: the plain loop then keeps fp32 weights under torch.autocast to bf16, the
+engine trains bf16 as training does (ZeRO-1, fp32 master weights).
+
+Wall time is the median over the timed steps of every round (the systems take turns each round); the
+counts come from torch.profiler over one more step of the last round: every aten:: op (nested ones
+included), and on a GPU the kernel launches and the kernels' summed device time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import itertools
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import torch
+from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+
+from corpus.batches import DataPosition, MicroBatch
+from model.loss import label_smoothed_cross_entropy
+from model.model_config import ModelConfig
+from model.norms import build_scheme
+from model.transformer import Transformer
+from pipeline.config.deepspeed_values import check_deepspeed
+from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
+from pipeline.deepspeed_internals import clear_pipe_buffers, set_checkpoint_function
+from pipeline.dropout_masks import DropoutMasks
+from pipeline.train import build_engine
+from tools.training_speed import (
+    ADAMW,
+    Step,
+    check_device,
+    init_single_process,
+    synchronized,
+    synthetic_batch,
+    time_steps,
+    to_device,
+)
+
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+@dataclass(frozen=True)
+class ProfileBench:
+    model: ModelConfig  # encoder_layers = decoder_layers: the depth
+    batch: int  # pairs per micro-batch
+    src_len: int
+    tgt_len: int
+    micro_batches: int
+    checkpoint_interval: int  # the engine's; 0: no activation checkpointing
+    precision: str  # fp32 or bf16 (plain: fp32 weights under autocast)
+    device: str
+    warmup: int
+    steps: int
+    rounds: int = 1
+
+
+@dataclass
+class StepProfile:
+    system: str
+    depth: int
+    step_s: float  # wall time, median
+    aten_ops: int  # in one step
+    kernel_launches: int  # in one step (0 on a CPU)
+    kernel_s: float  # summed device time of the kernels of one step (0 on a CPU)
+    layer_passes: int  # Transformer layers x micro-batches of a step, what the per-layer figures divide by
+
+    def per_layer(self, value: float) -> float:
+        """`value` (of one step) per Transformer layer and micro-batch."""
+        return value / self.layer_passes
+
+
+def checkpointed(layer: torch.nn.Module) -> None:
+    """`layer` recomputed in the backward pass by torch's checkpoint as a plain loop would use it: reentrant,
+    saving and restoring the random states so that dropout draws the same masks again."""
+    forward = layer.forward
+    layer.forward = lambda *inputs: checkpoint(forward, *inputs, use_reentrant=True)
+
+
+@contextlib.contextmanager
+def plain_step(bench: ProfileBench, batch: MicroBatch, checkpoint_interval: int = 0) -> Iterator[Step]:
+    """The model's own cost: fp32 weights (bf16: under autocast), no clipping, every
+    `checkpoint_interval`-th layer recomputed (0: none)."""
+    model = Transformer(bench.model).to(bench.device).train()
+    if checkpoint_interval:
+        for stack in (model.encoder.layers, model.decoder.layers):
+            for layer in stack[::checkpoint_interval]:
+                checkpointed(layer)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    (src_tokens, prev_output_tokens), target = batch
+    autocast = torch.autocast(torch.device(bench.device).type, torch.bfloat16, enabled=bench.precision == "bf16")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(bench.micro_batches):
+            with autocast:
+                loss = label_smoothed_cross_entropy(model(src_tokens, prev_output_tokens), target)
+            (loss / bench.micro_batches).backward()
+        optimizer.step()
+
+    yield synchronized(step, bench.device)
+
+
+def profile_config(bench: ProfileBench) -> dict[str, Any]:
+    """Training's DeepSpeed config at one stage, as ds_configs/branchnorm_500L.json has it (ZeRO-1,
+    clipping at 1.0), with the plain loop's AdamW and no LR schedule."""
+    bf16 = bench.precision == "bf16"
+    return {
+        "train_batch_size": bench.batch * bench.micro_batches,
+        "train_micro_batch_size_per_gpu": bench.batch,
+        "gradient_accumulation_steps": bench.micro_batches,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 1.0,
+        "pipeline": {"stages": 1, "activation_checkpoint_interval": bench.checkpoint_interval},
+    }
+
+
+@contextlib.contextmanager
+def engine_step(bench: ProfileBench, batch: MicroBatch, deepspeeds_settings: bool = False) -> Iterator[Step]:
+    """The engine as scripts/train.py runs it, or with DeepSpeed's own settings where fathom picks
+    others (docs/TRAINING.md): its checkpoint function, contiguous_gradients and throughput timer."""
+    init_single_process(bench.device)
+    ds = profile_config(bench)
+    check_deepspeed(ds, bench.model, world_size=1)
+    if deepspeeds_settings:
+        ds["zero_optimization"]["contiguous_gradients"] = True
+        ds["timers"] = {"throughput": {"enabled": True}}
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list and memory reports
+        engine = build_engine(RunConfig(model=bench.model, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
+    masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
+    if deepspeeds_settings:  # what pipeline.use_reentrant=false selects
+        set_checkpoint_function(engine.module, non_reentrant_checkpoint)
+    micro_batches = itertools.repeat(batch)
+    steps = itertools.count()
+
+    def step() -> None:
+        masks.start(next(steps))
+        engine.train_batch(data_iter=micro_batches)
+
+    yield synchronized(step, bench.device)
+    clear_pipe_buffers(engine)
+
+
+# plain-checkpointed: what recomputation costs; engine-deepspeed: what fathom's engine settings save
+SYSTEMS: dict[str, Callable[[ProfileBench, MicroBatch], contextlib.AbstractContextManager[Step]]] = {
+    "plain": plain_step,
+    "plain-checkpointed": lambda bench, batch: plain_step(bench, batch, bench.checkpoint_interval),
+    "engine-deepspeed": partial(engine_step, deepspeeds_settings=True),
+    "engine": engine_step,
+}
+
+
+def check(bench: ProfileBench) -> None:
+    """Fails before anything is timed on what would fail later: an unknown scheme or device, an engine
+    config DeepSpeed or fathom refuses."""
+    build_scheme(bench.model)
+    check_device(bench.device, engine=True)
+    check_deepspeed(profile_config(bench), bench.model, world_size=1)
+
+
+def counted(step: Step, device: str) -> tuple[int, int, float]:
+    """(aten ops, kernel launches, kernel seconds) of one call of `step`, from torch.profiler. Kernel
+    seconds: everything the GPU ran (copies and memsets too), summed: its busy time if nothing overlaps."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        step()
+    events = prof.events()
+    aten = sum(1 for e in events if e.name.startswith("aten::"))
+    launches = sum(1 for e in events if e.name in KERNEL_LAUNCHES)
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    return aten, launches, kernel_us / 1e6
+
+
+def profile_systems(bench: ProfileBench) -> list[StepProfile]:
+    """Each system's step, built fresh for each round; the systems take turns, so a slow spell of a
+    shared machine falls on both."""
+    batch = to_device(
+        synthetic_batch(bench.model.src_vocab_size, bench.batch, bench.src_len, bench.tgt_len), bench.device
+    )
+    times: dict[str, list[float]] = {system: [] for system in SYSTEMS}
+    counts: dict[str, tuple[int, int, float]] = {}
+    for last in [False] * (bench.rounds - 1) + [True]:
+        for system, build in SYSTEMS.items():
+            with build(bench, batch) as step:
+                times[system] += time_steps(step, bench.warmup, bench.steps)
+                if last:  # the counts do not vary; the profiler's step is slow
+                    counts[system] = counted(step, bench.device)
+            gc.collect()  # the engine is full of reference cycles: free it before the next system is built
+    depth = bench.model.encoder_layers
+    passes = (bench.model.encoder_layers + bench.model.decoder_layers) * bench.micro_batches
+    return [
+        StepProfile(system, depth, statistics.median(times[system]), *counts[system], layer_passes=passes)
+        for system in SYSTEMS
+    ]
+
+
+def at_depth(bench: ProfileBench, depth: int) -> ProfileBench:
+    """`bench` with `depth` encoder and `depth` decoder layers."""
+    return replace(bench, model=replace(bench.model, encoder_layers=depth, decoder_layers=depth))

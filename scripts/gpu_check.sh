@@ -44,6 +44,12 @@ else
     TRAIN=(train.max_steps=8)
 fi
 
+COMPARE=bf16-weights,torchscale,deepspeed
+if ! python -c 'from tools.torchscale_peer import import_torchscale; import_torchscale()' 2>/dev/null; then
+    echo "gpu_check.sh: torchscale is not importable (make peers): the benches leave it out" >&2
+    COMPARE=bf16-weights,deepspeed
+fi
+
 piece() {  # NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
@@ -59,7 +65,7 @@ for args in "${SHAPES[@]}"; do
     shape=$((shape + 1))
     # shellcheck disable=SC2086  # the shapes are words
     piece "bench$shape" 55 python scripts/bench.py $args $SIZE $STEPS --device cuda --precision autocast \
-        --compare bf16-weights,torchscale,deepspeed --scheme deepnorm --share-all-embeddings \
+        --compare "$COMPARE" --scheme deepnorm --share-all-embeddings \
         --json "$OUT/bench$shape.json"
 done
 

@@ -2,8 +2,6 @@
 engine") fill only what a config leaves out, and train exactly what DeepSpeed's own defaults train: the
 same losses and weights, bit for bit, with dropout and activation checkpointing on."""
 
-import contextlib
-import io
 import itertools
 
 import pytest
@@ -13,11 +11,10 @@ from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentra
 from corpus.batches import DataPosition
 from model.model_config import ModelConfig
 from pipeline.config.deepspeed_values import engine_config
-from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from pipeline.deepspeed_internals import clear_pipe_buffers, set_checkpoint_function
+from pipeline.deepspeed_internals import set_checkpoint_function
 from pipeline.dropout_masks import DropoutMasks
-from pipeline.train import build_engine
-from tools.training_speed import synthetic_batch
+from tools.step_profile import deepspeeds_settings
+from tools.training_speed import built_engine, synthetic_batch
 
 
 def test_defaults_fill_only_what_the_config_leaves_out():
@@ -51,20 +48,17 @@ def trained(cfg: ModelConfig, deepspeeds_defaults: bool, steps: int = 3) -> tupl
         "pipeline": {"stages": 1, "activation_checkpoint_interval": 1, "use_reentrant": False},
     }  # fmt: skip
     if deepspeeds_defaults:
-        ds["zero_optimization"]["contiguous_gradients"] = True
-        ds["timers"] = {"throughput": {"enabled": True}}
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list
-        engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
-    masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, 2, 1))
-    if deepspeeds_defaults:  # what pipeline.use_reentrant=false gave before fathom chose its own
-        set_checkpoint_function(engine.module, non_reentrant_checkpoint)
-    batches = itertools.cycle([synthetic_batch(20, 2, 5, 4), synthetic_batch(20, 2, 7, 6)])
-    losses = []
-    for step in range(steps):
-        masks.start(step)
-        losses.append(engine.train_batch(data_iter=batches).item())
-    weights = [p.detach().clone() for p in engine.module.parameters()]
-    clear_pipe_buffers(engine)
+        ds = deepspeeds_settings(ds)
+    with built_engine(cfg, ds, "cpu") as engine:
+        masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, 2, 1))
+        if deepspeeds_defaults:  # what pipeline.use_reentrant=false gave before fathom chose its own
+            set_checkpoint_function(engine.module, non_reentrant_checkpoint)
+        batches = itertools.cycle([synthetic_batch(20, 2, 5, 4), synthetic_batch(20, 2, 7, 6)])
+        losses = []
+        for step in range(steps):
+            masks.start(step)
+            losses.append(engine.train_batch(data_iter=batches).item())
+        weights = [p.detach().clone() for p in engine.module.parameters()]
     return losses, weights
 
 

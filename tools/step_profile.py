@@ -30,8 +30,8 @@ included), and on a GPU the kernel launches and the kernels' summed device time.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
-import io
 import itertools
 import statistics
 from collections.abc import Callable, Iterator
@@ -46,20 +46,18 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
 from corpus.batches import DataPosition, MicroBatch
-from model.loss import label_smoothed_cross_entropy
 from model.model_config import ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
-from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from pipeline.deepspeed_internals import clear_pipe_buffers, set_checkpoint_function
+from pipeline.deepspeed_internals import set_checkpoint_function
 from pipeline.dropout_masks import DropoutMasks
-from pipeline.train import build_engine
 from tools.training_speed import (
     ADAMW,
     Step,
+    built_engine,
     check_device,
-    init_single_process,
+    plain_loop,
     synchronized,
     synthetic_batch,
     time_steps,
@@ -115,19 +113,8 @@ def plain_step(bench: ProfileBench, batch: MicroBatch, checkpoint_interval: int 
         for stack in (model.encoder.layers, model.decoder.layers):
             for layer in stack[::checkpoint_interval]:
                 checkpointed(layer)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    (src_tokens, prev_output_tokens), target = batch
-    autocast = torch.autocast(torch.device(bench.device).type, torch.bfloat16, enabled=bench.precision == "bf16")
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(bench.micro_batches):
-            with autocast:
-                loss = label_smoothed_cross_entropy(model(src_tokens, prev_output_tokens), target)
-            (loss / bench.micro_batches).backward()
-        optimizer.step()
-
-    yield synchronized(step, bench.device)
+    precision = "autocast" if bench.precision == "bf16" else "fp32"
+    yield plain_loop(model, model, batch, precision, bench.device, bench.micro_batches)
 
 
 def profile_config(bench: ProfileBench) -> dict[str, Any]:
@@ -147,37 +134,40 @@ def profile_config(bench: ProfileBench) -> dict[str, Any]:
     }
 
 
+def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
+    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; the third difference,
+    the checkpoint function, is set on the built engine (non_reentrant_checkpoint, what
+    pipeline.use_reentrant=false selects)."""
+    ds = copy.deepcopy(ds)
+    ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
+    ds["timers"] = {"throughput": {"enabled": True}}
+    return ds
+
+
 @contextlib.contextmanager
-def engine_step(bench: ProfileBench, batch: MicroBatch, deepspeeds_settings: bool = False) -> Iterator[Step]:
+def engine_step(bench: ProfileBench, batch: MicroBatch, deepspeeds: bool = False) -> Iterator[Step]:
     """The engine as scripts/train.py runs it, or with DeepSpeed's own settings where fathom picks
-    others (docs/TRAINING.md): its checkpoint function, contiguous_gradients and throughput timer."""
-    init_single_process(bench.device)
-    ds = profile_config(bench)
-    check_deepspeed(ds, bench.model, world_size=1)
-    if deepspeeds_settings:
-        ds["zero_optimization"]["contiguous_gradients"] = True
-        ds["timers"] = {"throughput": {"enabled": True}}
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list and memory reports
-        engine = build_engine(RunConfig(model=bench.model, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
-    masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
-    if deepspeeds_settings:  # what pipeline.use_reentrant=false selects
-        set_checkpoint_function(engine.module, non_reentrant_checkpoint)
-    micro_batches = itertools.repeat(batch)
-    steps = itertools.count()
+    others (docs/TRAINING.md)."""
+    ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
+    with built_engine(bench.model, ds, bench.device) as engine:
+        masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
+        if deepspeeds:
+            set_checkpoint_function(engine.module, non_reentrant_checkpoint)
+        micro_batches = itertools.repeat(batch)
+        steps = itertools.count()
 
-    def step() -> None:
-        masks.start(next(steps))
-        engine.train_batch(data_iter=micro_batches)
+        def step() -> None:
+            masks.start(next(steps))
+            engine.train_batch(data_iter=micro_batches)
 
-    yield synchronized(step, bench.device)
-    clear_pipe_buffers(engine)
+        yield synchronized(step, bench.device)
 
 
 # plain-checkpointed: what recomputation costs; engine-deepspeed: what fathom's engine settings save
 SYSTEMS: dict[str, Callable[[ProfileBench, MicroBatch], contextlib.AbstractContextManager[Step]]] = {
     "plain": plain_step,
     "plain-checkpointed": lambda bench, batch: plain_step(bench, batch, bench.checkpoint_interval),
-    "engine-deepspeed": partial(engine_step, deepspeeds_settings=True),
+    "engine-deepspeed": partial(engine_step, deepspeeds=True),
     "engine": engine_step,
 }
 

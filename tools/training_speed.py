@@ -184,19 +184,26 @@ def weights_dtype(precision: str) -> torch.dtype:
 
 
 def plain_loop(
-    model: nn.Module, logits: Callable[..., torch.Tensor], batch: MicroBatch, precision: str, device: str
+    model: nn.Module,
+    logits: Callable[..., torch.Tensor],
+    batch: MicroBatch,
+    precision: str,
+    device: str,
+    micro_batches: int = 1,
 ) -> Step:
-    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss. `model` is
-    already on `device` in weights_dtype(precision)."""
+    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss, gradients
+    accumulated over `micro_batches` passes of `batch`. `model` is already on `device` in
+    weights_dtype(precision)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
     (src_tokens, prev_output_tokens), target = to_device(batch, device)
     autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=precision == "autocast")
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
-            loss = label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target)
-        loss.backward()
+        for _ in range(micro_batches):
+            with autocast:
+                loss = label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target)
+            (loss / micro_batches).backward()
         optimizer.step()
 
     return synchronized(step, device)
@@ -269,21 +276,26 @@ def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
-    """The engine on its accelerator's device (init_single_process puts that on `device`); train_batch
-    moves the batch there itself."""
+def built_engine(cfg: ModelConfig, ds: dict[str, Any], device: str) -> Iterator[deepspeed.PipelineEngine]:
+    """scripts/train.py's engine of `cfg` with DeepSpeed config `ds` at one stage, in this process, on its
+    accelerator's device (init_single_process puts that on `device`); train_batch moves batches there."""
     init_single_process(device)
-    ds = deepspeed_config(batch[1].size(0), bf16=precision != "fp32")
     check_deepspeed(ds, cfg, world_size=1)
     # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
     with contextlib.redirect_stdout(io.StringIO()):
         engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
-    micro_batches = itertools.repeat(batch)
-    yield synchronized(lambda: engine.train_batch(data_iter=micro_batches), device)
+    yield engine
     # The engine keeps the last logits (pipe_buffers) and loss; their autograd graph holds DeepSpeed's
     # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
     # (weights, optimizer state) would stay in memory until the process ends.
     clear_pipe_buffers(engine)
+
+
+@contextlib.contextmanager
+def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
+    with built_engine(cfg, deepspeed_config(batch[1].size(0), bf16=precision != "fp32"), device) as engine:
+        micro_batches = itertools.repeat(batch)
+        yield synchronized(lambda: engine.train_batch(data_iter=micro_batches), device)
 
 
 Builder = Callable[[ModelConfig, MicroBatch, str, str], contextlib.AbstractContextManager[Step]]

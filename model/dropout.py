@@ -5,7 +5,9 @@ bf16 training step at d 512 (docs/BENCHMARKS.md). Here each 64-bit random intege
 16-bit ones, and an element is kept when its 16 bits clear a threshold: a quarter of the draws, and
 forward plus backward take about a third of bernoulli_'s time. The kept fraction is 1 - p with p
 rounded to a multiple of 2^-16 (at most 7.7e-6 off). Elsewhere (GPUs) torch's fused dropout kernel is
-used as it is.
+used as it is, and so is torch's dropout inside torch.compile (train.compile): inductor draws its own
+random numbers inside the layer's fused kernels, where the mask's random_ would split the compiled
+layer into a dozen graphs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,6 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu" or self.p >= 1:
+        if x.device.type != "cpu" or self.p >= 1 or torch.compiler.is_compiling():
             return F.dropout(x, self.p, training=True)
         return x * keep_mask(x.shape, self.p).to(x.dtype).mul_(1 / (1 - self.p))

@@ -35,7 +35,12 @@ from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
 from pipeline.config.run_config import RunConfig
-from pipeline.deepspeed_internals import backward_in_one_call, checkpoint_engine
+from pipeline.deepspeed_internals import (
+    backward_in_one_call,
+    checkpoint_engine,
+    linear_duplicate_check,
+    set_overflow_check,
+)
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
 from pipeline.partition import CostBalancedPipeline
@@ -98,17 +103,19 @@ def build_pipeline(cfg: RunConfig) -> PipelineModule:
 
 def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
     module = build_pipeline(cfg)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=engine_config(cfg.deepspeed),
-    )
+    with linear_duplicate_check():
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=engine_config(cfg.deepspeed),
+        )
     if engine.grid.get_data_parallel_world_size() == 1 and engine.zero_optimization_stage() == 0:
         # Nothing to average, yet DeepSpeed would copy every gradient into one flat buffer, all-reduce
         # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
     backward_in_one_call(engine)
+    set_overflow_check(engine, fused=True)
     saving.install(engine)
     return engine
 

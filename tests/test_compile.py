@@ -12,7 +12,7 @@ from model.model_config import ModelConfig
 from model.transformer import Transformer
 from pipeline import preflight
 from pipeline.train import parse_args
-from tests.helpers import ROOT, final_layers, launch, logged_steps
+from tests.helpers import ROOT, final_layers, launch, logged_steps, trained_in_process
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
@@ -71,3 +71,31 @@ def test_compiled_layers_train_like_eager_ones_at_two_stages(tmp_path):
     for name, state in eager_layers.items():
         for key, value in state.items():
             torch.testing.assert_close(compiled_layers[name][key], value, rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.slow  # compiles and trains DeepSpeed's engine
+def test_compiled_layers_recompute_the_masks_their_forward_drew(process_group):
+    """With dropout, a compiled layer draws inductor's random numbers, not eager torch's. A checkpointed
+    layer runs its compiled forward twice, once without autograd and once with it, two graphs: each
+    must draw the masks the other drew, or the gradients belong to another forward than the loss.
+    Compiled with checkpointing every layer and without: the same losses, and the same weights after 3
+    steps, to float tolerance. (Adam's eps is large: the k biases' gradients are zero but for rounding,
+    which a small eps would turn into full-size steps.)"""
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20, dropout=0.3, attention_dropout=0.2,
+                      norm_scheme="deepnorm")  # fmt: skip
+    runs = []
+    for interval in (1, 0):
+        ds = {
+            "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "eps": 1e-3, "torch_adam": True}},
+            "pipeline": {"stages": 1, "activation_checkpoint_interval": interval},
+        }  # fmt: skip
+        runs.append(trained_in_process(cfg, ds, lambda engine: compile_layers(engine.module)))
+    (checkpointed, checkpointed_weights), (kept, kept_weights) = runs
+    assert len(set(kept)) == len(kept)  # it trained
+    for a, b in zip(checkpointed, kept, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (checkpointed, kept)
+    for a, b in zip(checkpointed_weights, kept_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -5,17 +5,21 @@ one line; setup.cfg pins the supported one."""
 import contextlib
 import io
 import itertools
+import math
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 from model.model_config import ModelConfig
 from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,
+    check_for_duplicates,
     check_version,
     checkpoint_engine,
     clear_pipe_buffers,
@@ -51,6 +55,41 @@ def test_setup_pins_the_supported_version():
     assert f"deepspeed=={SUPPORTED_VERSION}" in (ROOT / "setup.cfg").read_text()
 
 
+def test_the_linear_duplicate_check_agrees_with_deepspeeds():
+    """Same verdict and message as DeepSpeed's own check, for parameters once in one group, in two
+    groups, and twice in one group."""
+    module = torch.nn.Linear(2, 2)
+    engine = types.SimpleNamespace(module=module)
+    weight, bias = module.weight, module.bias
+    for groups in ([[weight, bias]], [[weight], [bias]], [[weight], [bias, weight]], [[weight, bias, bias]]):
+        optimizer = types.SimpleNamespace(param_groups=[{"params": group} for group in groups])
+        verdicts = []
+        for check in (DeepSpeedEngine._check_for_duplicates, check_for_duplicates):
+            try:
+                check(engine, optimizer)
+                verdicts.append(None)
+            except AssertionError as error:
+                verdicts.append(str(error))
+        assert verdicts[0] == verdicts[1], groups
+    assert verdicts[0] and "Parameter with name: bias occurs multiple times" in verdicts[0]
+
+
+def fused_and_deepspeeds_overflow_checks(optimizer) -> list[tuple[bool, bool]]:
+    """ZeRO's verdict on the gradient partition as it is, then with one element of its last tensor set to
+    NaN, +inf and -inf: (the instance's fused check, DeepSpeed's own) each time; the element restored."""
+    grad = optimizer.averaged_gradients[0][-1]
+    first = (0,) * grad.dim()
+    kept = grad[first].item()
+    verdicts = []
+    for value in (kept, math.nan, math.inf, -math.inf):
+        grad[first] = value
+        fused = optimizer.has_overflow_partitioned_grads_serial()
+        deepspeeds = type(optimizer).has_overflow_partitioned_grads_serial(optimizer)
+        verdicts.append((bool(fused), bool(deepspeeds)))
+    grad[first] = kept
+    return verdicts
+
+
 @pytest.mark.slow
 def test_each_internal_does_what_fathom_relies_on(process_group):
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
@@ -76,8 +115,11 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     params = [p for p in engine.module.parameters() if p.requires_grad]
     slices = []
 
+    overflow_verdicts = []
+
     def step(*args, **kwargs):  # between backward and the update, where fathom's guard runs
         slices.append([zero_gradient_slice(p) for p in params])
+        overflow_verdicts.extend(fused_and_deepspeeds_overflow_checks(engine.optimizer))
         original(*args, **kwargs)
 
     original = replace_model_step(engine, step)
@@ -104,6 +146,8 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     assert all(zero_sharded(p) for p in params)
     assert sum(s.numel() for s in slices[0]) == sum(p.numel() for p in params)  # one rank holds every slice
     assert all(torch.isfinite(s).all() for s in slices[0]) and any(s.abs().sum() > 0 for s in slices[0])
+    # the fused check (set_overflow_check, which build_engine installs) agrees with DeepSpeed's
+    assert overflow_verdicts == [(False, False), (True, True), (True, True), (True, True)]
     clear_pipe_buffers(engine)
     assert engine.loss is None
 

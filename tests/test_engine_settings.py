@@ -2,19 +2,13 @@
 engine") fill only what a config leaves out, and train exactly what DeepSpeed's own defaults train: the
 same losses and weights, bit for bit, with dropout and activation checkpointing on."""
 
-import itertools
-
 import pytest
 import torch
-from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 
-from corpus.batches import DataPosition
 from model.model_config import ModelConfig
 from pipeline.config.deepspeed_values import engine_config
-from pipeline.deepspeed_internals import set_checkpoint_function
-from pipeline.dropout_masks import DropoutMasks
-from tools.step_profile import deepspeeds_settings
-from tools.training_speed import built_engine, synthetic_batch
+from tests.helpers import trained_in_process
+from tools.step_profile import deepspeeds_settings, use_deepspeeds_own
 
 
 def test_defaults_fill_only_what_the_config_leaves_out():
@@ -38,35 +32,27 @@ def test_defaults_fill_only_what_the_config_leaves_out():
     assert "contiguous_gradients" not in engine_config({})["zero_optimization"]
 
 
-def trained(cfg: ModelConfig, deepspeeds_defaults: bool, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
-    """Losses and final weights of `steps` steps on one engine, 2 micro-batches a step, every layer
-    checkpointed, with fathom's dropout reseeding (as scripts/train.py runs it)."""
+def trained(cfg: ModelConfig, deepspeeds_defaults: bool, bf16: bool) -> tuple[list[float], list[torch.Tensor]]:
+    """Three steps, 2 micro-batches a step, every layer checkpointed, with fathom's settings or
+    DeepSpeed's (bf16: ZeRO-1 then checks the gradients for overflow every step)."""
     ds = {
         "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
         "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
         "pipeline": {"stages": 1, "activation_checkpoint_interval": 1, "use_reentrant": False},
+        "bf16": {"enabled": bf16},
     }  # fmt: skip
-    if deepspeeds_defaults:
-        ds = deepspeeds_settings(ds)
-    with built_engine(cfg, ds, "cpu") as engine:
-        masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, 2, 1))
-        if deepspeeds_defaults:  # what pipeline.use_reentrant=false gave before fathom chose its own
-            set_checkpoint_function(engine.module, non_reentrant_checkpoint)
-        batches = itertools.cycle([synthetic_batch(20, 2, 5, 4), synthetic_batch(20, 2, 7, 6)])
-        losses = []
-        for step in range(steps):
-            masks.start(step)
-            losses.append(engine.train_batch(data_iter=batches).item())
-        weights = [p.detach().clone() for p in engine.module.parameters()]
-    return losses, weights
+    if not deepspeeds_defaults:
+        return trained_in_process(cfg, ds)
+    return trained_in_process(cfg, deepspeeds_settings(ds), use_deepspeeds_own)
 
 
 @pytest.mark.slow  # builds and trains DeepSpeed's engine
-def test_fathoms_settings_train_what_deepspeeds_defaults_train(process_group):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fathoms_settings_train_what_deepspeeds_defaults_train(process_group, bf16):
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
                       src_vocab_size=20, tgt_vocab_size=20, dropout=0.3, attention_dropout=0.2,
                       norm_scheme="deepnorm")  # fmt: skip
-    ours, theirs = trained(cfg, deepspeeds_defaults=False), trained(cfg, deepspeeds_defaults=True)
+    ours, theirs = (trained(cfg, deepspeeds_defaults, bf16) for deepspeeds_defaults in (False, True))
     assert ours[0] == theirs[0] and len(set(ours[0])) == len(ours[0])  # the losses, and the model trained
     assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))

@@ -17,7 +17,8 @@ with the same dropout, loss and AdamW:
 So the engine's step time over the plain loop's is everything training adds to the model: the
 pipeline schedule, the recomputed forward, the reseeding, the clipping and ZeRO's copies. A third
 system, engine-deepspeed, is the same engine with DeepSpeed's own settings where fathom picks others
-(its checkpoint function, contiguous_gradients, its throughput timer): what those choices save.
+(its checkpoint function, contiguous_gradients, its throughput timer, ZeRO's overflow check): what those
+choices save.
 
 Precision: fp32, or bf16: the plain loop then keeps fp32 weights under torch.autocast to bf16, the
 engine trains bf16 as training does (ZeRO-1, fp32 master weights).
@@ -25,6 +26,10 @@ engine trains bf16 as training does (ZeRO-1, fp32 master weights).
 Wall time is the median over the timed steps of every round (the systems take turns each round); the
 counts come from torch.profiler over one more step of the last round: every aten:: op (nested ones
 included), and on a GPU the kernel launches and the kernels' summed device time.
+
+A fifth system, engine-compiled, timed where asked for, is the engine with every Transformer layer's
+forward compiled by torch.compile (train.compile): fewer, fused kernels per layer; its warmup steps
+compile.
 """
 
 from __future__ import annotations
@@ -39,18 +44,21 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+import deepspeed
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
+from common.errors import ConfigError
 from corpus.batches import DataPosition, MicroBatch
+from model.layers import compile_layers, compiler_missing
 from model.model_config import ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
-from pipeline.deepspeed_internals import set_checkpoint_function
+from pipeline.deepspeed_internals import set_checkpoint_function, set_overflow_check
 from pipeline.dropout_masks import DropoutMasks
 from tools.training_speed import (
     ADAMW,
@@ -80,6 +88,7 @@ class ProfileBench:
     warmup: int
     steps: int
     rounds: int = 1
+    systems: tuple[str, ...] = ()  # of SYSTEMS, plain among them; () all but engine-compiled
 
 
 @dataclass
@@ -135,24 +144,34 @@ def profile_config(bench: ProfileBench) -> dict[str, Any]:
 
 
 def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
-    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; the third difference,
-    the checkpoint function, is set on the built engine (non_reentrant_checkpoint, what
-    pipeline.use_reentrant=false selects)."""
+    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; what fathom replaces in
+    a built engine, use_deepspeeds_own puts back."""
     ds = copy.deepcopy(ds)
     ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
     ds["timers"] = {"throughput": {"enabled": True}}
     return ds
 
 
+def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:
+    """DeepSpeed's own code where build_engine and DropoutMasks install fathom's: its checkpoint function
+    (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects) and ZeRO's overflow check."""
+    set_checkpoint_function(engine.module, non_reentrant_checkpoint)
+    set_overflow_check(engine, fused=False)
+
+
 @contextlib.contextmanager
-def engine_step(bench: ProfileBench, batch: MicroBatch, deepspeeds: bool = False) -> Iterator[Step]:
+def engine_step(
+    bench: ProfileBench, batch: MicroBatch, deepspeeds: bool = False, compiled: bool = False
+) -> Iterator[Step]:
     """The engine as scripts/train.py runs it, or with DeepSpeed's own settings where fathom picks
-    others (docs/TRAINING.md)."""
+    others (docs/TRAINING.md), or with its layers compiled (train.compile)."""
     ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
     with built_engine(bench.model, ds, bench.device) as engine:
         masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
         if deepspeeds:
-            set_checkpoint_function(engine.module, non_reentrant_checkpoint)
+            use_deepspeeds_own(engine)
+        if compiled:
+            compile_layers(engine.module)
         micro_batches = itertools.repeat(batch)
         steps = itertools.count()
 
@@ -169,7 +188,13 @@ SYSTEMS: dict[str, Callable[[ProfileBench, MicroBatch], contextlib.AbstractConte
     "plain-checkpointed": lambda bench, batch: plain_step(bench, batch, bench.checkpoint_interval),
     "engine-deepspeed": partial(engine_step, deepspeeds=True),
     "engine": engine_step,
+    "engine-compiled": partial(engine_step, compiled=True),
 }
+DEFAULT_SYSTEMS = ("plain", "plain-checkpointed", "engine-deepspeed", "engine")
+
+
+def systems_of(bench: ProfileBench) -> tuple[str, ...]:
+    return bench.systems or DEFAULT_SYSTEMS
 
 
 def check(bench: ProfileBench) -> None:
@@ -177,20 +202,32 @@ def check(bench: ProfileBench) -> None:
     config DeepSpeed or fathom refuses."""
     build_scheme(bench.model)
     check_device(bench.device, engine=True)
+    systems = systems_of(bench)
+    if unknown := [system for system in systems if system not in SYSTEMS]:
+        raise ConfigError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if "plain" not in systems:
+        raise ConfigError("--systems: plain is what the others are measured against; name it too")
+    if "engine-compiled" in systems and (missing := compiler_missing()):
+        raise ConfigError(f"--systems: engine-compiled: torch.compile cannot build kernels here: {missing}")
     check_deepspeed(profile_config(bench), bench.model, world_size=1)
 
 
 def counted(step: Step, device: str) -> tuple[int, int, float]:
     """(aten ops, kernel launches, kernel seconds) of one call of `step`, from torch.profiler. Kernel
-    seconds: everything the GPU ran (copies and memsets too), summed: its busy time if nothing overlaps."""
+    seconds: everything the GPU ran (copies and memsets too), summed: its busy time if nothing overlaps.
+    The profiler's raw events are read, not prof.events(), whose tree of Python objects takes minutes
+    to build at depth (22 s for the 320,000 events of a 25L-25L step on a CPU; 0.6 s raw)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with profile(activities=activities) as prof:
         step()
-    events = prof.events()
-    aten = sum(1 for e in events if e.name.startswith("aten::"))
-    launches = sum(1 for e in events if e.name in KERNEL_LAUNCHES)
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-    return aten, launches, kernel_us / 1e6
+    aten = launches = kernel_ns = 0
+    for event in prof.profiler.kineto_results.events():
+        name = event.name()
+        aten += name.startswith("aten::")
+        launches += name in KERNEL_LAUNCHES
+        if event.device_type() == DeviceType.CUDA:
+            kernel_ns += event.duration_ns()
+    return aten, launches, kernel_ns / 1e9
 
 
 def profile_systems(bench: ProfileBench) -> list[StepProfile]:
@@ -199,11 +236,12 @@ def profile_systems(bench: ProfileBench) -> list[StepProfile]:
     batch = to_device(
         synthetic_batch(bench.model.src_vocab_size, bench.batch, bench.src_len, bench.tgt_len), bench.device
     )
-    times: dict[str, list[float]] = {system: [] for system in SYSTEMS}
+    systems = systems_of(bench)
+    times: dict[str, list[float]] = {system: [] for system in systems}
     counts: dict[str, tuple[int, int, float]] = {}
     for last in [False] * (bench.rounds - 1) + [True]:
-        for system, build in SYSTEMS.items():
-            with build(bench, batch) as step:
+        for system in systems:
+            with SYSTEMS[system](bench, batch) as step:
                 times[system] += time_steps(step, bench.warmup, bench.steps)
                 if last:  # the counts do not vary; the profiler's step is slow
                     counts[system] = counted(step, bench.device)
@@ -212,7 +250,7 @@ def profile_systems(bench: ProfileBench) -> list[StepProfile]:
     passes = (bench.model.encoder_layers + bench.model.decoder_layers) * bench.micro_batches
     return [
         StepProfile(system, depth, statistics.median(times[system]), *counts[system], layer_passes=passes)
-        for system in SYSTEMS
+        for system in systems
     ]
 
 

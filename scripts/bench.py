@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="--profile: the engine's activation checkpointing every this many layers, 0 none (default 1)",
     )
+    parser.add_argument(
+        "--systems",
+        type=lambda text: tuple(text.split(",")),
+        default=(),
+        help=f"--profile: comma-separated of {', '.join(step_profile.SYSTEMS)} (default: all but engine-compiled)",
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     return parser.parse_args(argv)
 
@@ -131,6 +137,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--device {args.device}: --stage-times times the stages on the CPU; leave --device out")
     if args.profile and args.compare:
         raise ConfigError("--compare: --profile times its own systems (plain loops and engines); leave --compare out")
+    if args.systems and not args.profile:
+        raise ConfigError("--systems: the systems of --profile; without it, name peers with --compare")
 
 
 def model_of(args: argparse.Namespace) -> ModelConfig:
@@ -172,6 +180,7 @@ def profile_bench_of(args: argparse.Namespace) -> ProfileBench:
         warmup=args.warmup,
         steps=args.steps,
         rounds=args.rounds,
+        systems=args.systems,
     )
 
 

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
 # The GPU checks for a machine with one CUDA GPU, everything measured as on a CPU, run from the
-# repository root; at most 9.5 minutes (the caps of its pieces add up to that), about 3 of them
-# tests/test_gpu.py's (docs/TESTS.md), so that it fits one 10-minute command of a short GPU lease:
+# repository root; at most 9.5 minutes (the caps of its pieces add up to that), so that it fits one
+# 10-minute command of a short GPU lease:
 #
-#     bash scripts/gpu_check.sh [OUT_DIR]      # default /tmp/gpu_check
-#     GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh   # tiny shapes and 2 steps: does every piece run?
+#     bash scripts/gpu_check.sh [OUT_DIR [PIECE...]]   # default /tmp/gpu_check, every piece
+#     GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh      # tiny shapes and 2 steps: does every piece run?
 #
 # In order, each under a timeout (a cap, not the expected time), its output in OUT_DIR/NAME.txt and
 # its exit status in OUT_DIR/NAME.rc (124: timed out), a failed piece not stopping the next:
 #   test_gpu    tests/test_gpu.py (fp16 training, which needs a GPU)
 #   bench1-3    scripts/bench.py at 3 shapes, autocast: fathom, bf16-weights, torchscale, engine (bf16)
-#   profile     scripts/bench.py --profile at branchnorm_500L.json's model, 100L-100L
-#   train500    ds_configs/branchnorm_500L.json at one stage for 8 steps
-# then one markdown table of them all (scripts/bench.py --summarize OUT_DIR).
+#   profile     scripts/bench.py --profile at branchnorm_500L.json's model, 100L-100L: the plain loop,
+#               the engine, and the engine with its layers compiled
+#   train500    ds_configs/branchnorm_500L.json at one stage for 4 steps
+# then one markdown table of what OUT_DIR holds (scripts/bench.py --summarize OUT_DIR). Naming pieces
+# runs those alone, into the same OUT_DIR: a second call for what the first one's caps cut off.
 set -uo pipefail
 
 OUT=${1:-/tmp/gpu_check}
+PIECES=("${@:2}")
 if ! python -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     echo "gpu_check.sh: torch sees no CUDA GPU here; run it on a machine with one" >&2
     exit 2
 fi
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
     TESTS=(-k nonfinite_loss)
@@ -41,7 +44,9 @@ else
     SIZE="--vocab 32000 --src-len 64 --tgt-len 64 --matmul-sizes 4096,8192"
     STEPS="--warmup 2 --steps 4 --rounds 1"
     PROFILE="--layers 100 --dim 128 --ffn 512 --heads 4"
-    TRAIN=(train.max_steps=8)
+    # 4 steps: the engine took about 20 s a step on an H100 (docs/BENCHMARKS.md); the summary's
+    # median leaves out the first two.
+    TRAIN=(train.max_steps=4)
 fi
 
 COMPARE=bf16-weights,torchscale,deepspeed
@@ -50,35 +55,43 @@ if ! python -c 'from tools.torchscale_peer import import_torchscale; import_torc
     COMPARE=bf16-weights,deepspeed
 fi
 
+selected() {  # NAME
+    [ ${#PIECES[@]} -eq 0 ] || [[ " ${PIECES[*]} " == *" $1 "* ]]
+}
+
 piece() {  # NAME SECONDS COMMAND...
     local name=$1 seconds=$2
     shift 2
+    selected "$name" || return 0
     echo "== $name: $*"
     timeout --kill-after=15 "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
     echo "${PIPESTATUS[0]}" >"$OUT/$name.rc"
 }
 
-piece test_gpu 200 python -m pytest -m gpu tests/test_gpu.py -q "${TESTS[@]}"
+# The tests each launch their own run on a free port: side by side where pytest-xdist is installed.
+if python -c 'import xdist' 2>/dev/null; then TESTS+=(-n 3); fi
+piece test_gpu 140 python -m pytest -m gpu tests/test_gpu.py -q "${TESTS[@]}"
 
 shape=0
 for args in "${SHAPES[@]}"; do
     shape=$((shape + 1))
     # shellcheck disable=SC2086  # the shapes are words
-    piece "bench$shape" 55 python scripts/bench.py $args $SIZE $STEPS --device cuda --precision autocast \
+    piece "bench$shape" 50 python scripts/bench.py $args $SIZE $STEPS --device cuda --precision autocast \
         --compare "$COMPARE" --scheme deepnorm --share-all-embeddings \
         --json "$OUT/bench$shape.json"
 done
 
 # branchnorm_500L.json's model and micro-batches (8 pairs of up to 6 tokens, its synthetic task's 16
-# words and 4 special symbols), 4 of them a step; bf16: the plain loop under autocast, the engine bf16.
+# words and 4 special symbols), 4 of them a step; bf16: the plain loop under autocast, the engine bf16;
+# the compiled engine's warmup step compiles.
 # shellcheck disable=SC2086
-piece profile 80 python scripts/bench.py --profile $PROFILE --vocab 20 --scheme branchnorm --batch 8 \
+piece profile 160 python scripts/bench.py --profile $PROFILE --vocab 20 --scheme branchnorm --batch 8 \
     --src-len 6 --tgt-len 6 --micro-batches 4 --checkpoint-interval 1 --device cuda --precision bf16 \
-    --warmup 1 --steps 2 --rounds 1 --json "$OUT/profile.json"
+    --systems plain,engine,engine-compiled --warmup 1 --steps 2 --rounds 1 --json "$OUT/profile.json"
 
 # train.save_interval past max_steps: only the final save, which a run always makes.
-rm -rf "$OUT/run500"
-piece train500 110 deepspeed --num_gpus 1 scripts/train.py --config ds_configs/branchnorm_500L.json \
+if selected train500; then rm -rf "$OUT/run500"; fi
+piece train500 120 deepspeed --num_gpus 1 scripts/train.py --config ds_configs/branchnorm_500L.json \
     --override pipeline.stages=1 "${TRAIN[@]}" train.save_interval=1000 "train.save_dir=$OUT/run500" \
     train.log_interval=1
 

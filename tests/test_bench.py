@@ -2,9 +2,11 @@
 FLOP counter on a real training step, the fixed batch's layout, the autocast loop's precision, the
 profile's counts, and its refusals of bad arguments."""
 
+import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from model.loss import label_smoothed_cross_entropy
 from model.model_config import PAD
 from tests.helpers import ROOT
 from tools.step_profile import ProfileBench, counted, profile_systems
-from tools.training_speed import check_device, model_flops, plain_loop, synthetic_batch
+from tools.training_speed import check_device, gpu_check_summary, model_flops, plain_loop, synthetic_batch
 
 TINY = ModelConfig(
     encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2, src_vocab_size=20,
@@ -52,6 +54,9 @@ def test_synthetic_batch_is_full_length_without_padding():
         (["--scheme", "nope"], "model.norm_scheme: unknown scheme 'nope'"),  # a traceback when first built
         (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
         (["--json", "/no-dir/bench.json"], "--json /no-dir/bench.json: /no-dir is not a directory"),  # after timing
+        (["--profile", "--systems", "plain,nope"], "--systems: unknown nope; choose from plain, plain-checkpointed"),
+        (["--profile", "--systems", "engine"], "--systems: plain is what the others are measured against"),
+        (["--systems", "plain"], "--systems: the systems of --profile; without it, name peers with --compare"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda: torch sees no CUDA GPU on this machine",
@@ -116,3 +121,36 @@ def test_profile_times_every_system(process_group):
         assert p.depth == 2 and p.layer_passes == 4 * 2
     # the engine recomputes every layer's forward in the backward pass: more ops than the plain loop
     assert engine.aten_ops > plain.aten_ops
+    chosen = profile_systems(replace(bench, systems=("engine", "plain")))
+    assert [p.system for p in chosen] == ["engine", "plain"]
+
+
+def test_gpu_check_summary_reads_whatever_the_pieces_left(tmp_path):
+    """One table from scripts/gpu_check.sh's OUT_DIR, also when pieces were cut off by their caps: a
+    bench's figures, the profile's systems that ran, how far the 500L run got, the tests' last line."""
+    model = {"encoder_layers": 6, "decoder_layers": 6, "embed_dim": 512, "ffn_dim": 2048}
+    results = [
+        {"system": system, "step_s": step_s, "tokens_per_s": 1000 / step_s, "peak_fraction": 0.01 / step_s}
+        for system, step_s in (("fathom", 0.05), ("bf16-weights", 0.04), ("deepspeed", 0.1))
+    ]
+    (tmp_path / "bench1.json").write_text(json.dumps({"bench": {"model": model, "batch": 128}, "results": results}))
+    (tmp_path / "bench1.rc").write_text("0\n")
+    (tmp_path / "bench2.rc").write_text("124\n")
+    profiles = [
+        {"system": system, "depth": 100, "step_s": step_s, "kernel_s": 0.5, "layer_passes": 800}
+        for system, step_s in (("plain", 1.0), ("engine", 4.0), ("engine-compiled", 2.0))
+    ]
+    (tmp_path / "profile.json").write_text(json.dumps({"results": profiles}))
+    (tmp_path / "train500.txt").write_text("fathom: stage 0\nstep 1/4 | loss 3.5 | 8 tok/s\nstep 2/4 | loss 3.4\n")
+    (tmp_path / "train500.rc").write_text("124\n")
+    (tmp_path / "test_gpu.txt").write_text("...\n3 passed in 95.21s\n")
+    (tmp_path / "test_gpu.rc").write_text("0\n")
+    rows = [line.split(" | ") for line in gpu_check_summary(tmp_path).splitlines()]
+    assert rows[2] == ["| bench 6L-6L d512 ffn2048 batch 128", "20,000 tok/s, MFU 20.0%", "25,000 tok/s, MFU 25.0%",
+                       "-", "10,000 tok/s, MFU 10.0%", "x2.00 |"]  # fmt: skip
+    assert rows[3][:2] == ["| bench2", "exit 124"]
+    assert rows[4] == ["| profile 100L-100L: host / layer / micro-batch", "1.250 ms", "", "", "5.000 ms",
+                       "x4.00; compiled x2.00, GPU busy 25.0% |"]  # fmt: skip
+    assert rows[5][1] == "50.0%" and rows[5][4] == "12.5%"
+    assert rows[6][0] == "| train500" and rows[6][4] == "stopped after step 2/4 exit 124"
+    assert rows[7][4] == "3 passed in 95.21s"

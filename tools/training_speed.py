@@ -25,6 +25,7 @@ import io
 import itertools
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -455,9 +456,15 @@ def gpu_check_summary(out: Path) -> str:
         name = f"profile {depth}L-{depth}L"
         host = [f"{r['step_s'] / r['layer_passes'] * 1e3:.3f} ms" for r in (plain, engine)]
         busy = [f"{r['kernel_s'] / r['step_s']:.1%}" for r in (plain, engine)]
-        ratio = "x{:.2f} (DeepSpeed's settings x{:.2f}; plain checkpointed x{:.2f})".format(
-            *(by_system[s]["step_s"] / plain["step_s"] for s in ("engine", "engine-deepspeed", "plain-checkpointed"))
-        )
+        others = {"engine-deepspeed": "DeepSpeed's settings", "plain-checkpointed": "plain checkpointed"}
+        ratio = f"x{engine['step_s'] / plain['step_s']:.2f}"
+        if aside := [
+            f"{what} x{by_system[s]['step_s'] / plain['step_s']:.2f}" for s, what in others.items() if s in by_system
+        ]:
+            ratio += f" ({'; '.join(aside)})"
+        if compiled := by_system.get("engine-compiled"):
+            compiled_busy = compiled["kernel_s"] / compiled["step_s"]
+            ratio += f"; compiled x{compiled['step_s'] / plain['step_s']:.2f}, GPU busy {compiled_busy:.1%}"
         rows += [[f"{name}: host / layer / micro-batch", host[0], "", "", host[1], ratio]]
         rows += [[f"{name}: GPU busy", busy[0], "", "", busy[1], ""]]
     if not profile.exists():
@@ -470,6 +477,10 @@ def gpu_check_summary(out: Path) -> str:
     model = json.loads((run_dir / "config.json").read_text())["model"] if (run_dir / "config.json").exists() else None
     what = f"train {model['encoder_layers']}L-{model['decoder_layers']}L, 1 GPU" if model else "train500"
     cell = f"{statistics.median(steady):.2f} s/step (median of {len(steady)})" if steady else ""
+    log = out / "train500.txt"
+    # A run stopped before its first save leaves no run directory: its log says how far it got.
+    if not steady and log.exists() and (logged := re.findall(r"^step (\d+/\d+) ", log.read_text(), re.MULTILINE)):
+        cell = f"stopped after step {logged[-1]}"
     rows.append([what, "", "", "", " ".join(filter(None, (cell, status("train500")))), ""])
     log = out / "test_gpu.txt"
     last = log.read_text().strip().splitlines()[-1:] if log.exists() else []

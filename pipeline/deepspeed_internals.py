@@ -20,6 +20,8 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from torch import Tensor, nn
 
 SUPPORTED_VERSION = "0.19.8"
@@ -207,18 +209,23 @@ def universal_loading(engine: deepspeed.PipelineEngine) -> Iterator[None]:
 
 
 # ZeRO-1's optimizer
-def set_overflow_check(engine: deepspeed.PipelineEngine, fused: bool) -> None:
-    """Whether ZeRO's check for non-finite gradients before each step runs fused: one multi-tensor
-    inf-norm over the gradient partition's tensors and one test of the results, instead of DeepSpeed's
-    amax, amin, two isfinite and a sum per tensor (about 40 ATen ops per parameter tensor on a CPU, 40%
-    of a 6L-6L engine step's, and 7 kernel launches per tensor on a GPU). The verdict is the same: a
-    tensor's inf-norm, its largest magnitude, is finite exactly when every element is (it propagates
-    NaN, on a GPU too). Not fused: DeepSpeed's own. Only for ZeRO's optimizer without offloading."""
+FUSED_SCANS = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
+
+
+def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
+    """Whether ZeRO's two scans over the gradient partition before each step, its check for non-finite
+    gradients and its gradient norm, run as a few multi-tensor ops instead of several ops per tensor
+    (DeepSpeed's check: amax, amin, two isfinite and a sum, about 40 ATen ops per parameter tensor on a
+    CPU, 40% of a 6L-6L engine step's, 7 kernel launches per tensor on a GPU; its norm: an fp64 copy and
+    a norm per tensor). Same results: a tensor's inf-norm, its largest magnitude, is finite exactly when
+    every element is (it propagates NaN, on a GPU too); the norm counts the tensors DeepSpeed's counts,
+    in the same dtype. Not fused: DeepSpeed's own. Only for ZeRO's optimizer without offloading."""
     optimizer = engine.optimizer
-    if not hasattr(optimizer, "has_overflow_partitioned_grads_serial") or optimizer.cpu_offload:
+    if not hasattr(optimizer, FUSED_SCANS[0]) or optimizer.cpu_offload:
         return
     if not fused:
-        vars(optimizer).pop("has_overflow_partitioned_grads_serial", None)
+        for name in FUSED_SCANS:
+            vars(optimizer).pop(name, None)
         return
 
     def has_overflow_partitioned_grads_serial() -> Tensor:
@@ -228,7 +235,30 @@ def set_overflow_check(engine: deepspeed.PipelineEngine, fused: bool) -> None:
             return torch.zeros(1, dtype=torch.bool, device=engine.device)
         return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not().view(1)
 
+    def get_grad_norm_direct(gradients: list[Tensor], params: list[nn.Parameter], norm_type: float = 2) -> Tensor:
+        if norm_type != 2:
+            return type(optimizer).get_grad_norm_direct(optimizer, gradients, params, norm_type)
+        # DeepSpeed's count: no partition padding, a parameter the pipeline replicates (a tied table) on
+        # one stage only, a parameter model parallelism does not split on its first rank only
+        unpadded = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+        counted = [
+            g.data
+            for g, p in zip(unpadded, params, strict=False)
+            if not getattr(p, "ds_pipe_replicated", False)
+            and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0)
+        ]
+        if counted:
+            squares = torch.stack(torch._foreach_norm(counted, 2, dtype=get_norm_dtype())).pow(2).sum().float()
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=engine.device)
+        torch.distributed.all_reduce(squares, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=squares, op=torch.distributed.ReduceOp.SUM)
+        norm = squares.pow(1 / 2)
+        mask_nan_or_inf_with_val_inplace(norm, device=optimizer.device)  # -1: not finite
+        return norm
+
     optimizer.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
+    optimizer.get_grad_norm_direct = get_grad_norm_direct
 
 
 # ZeRO-1 parameters

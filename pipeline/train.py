@@ -39,7 +39,7 @@ from pipeline.deepspeed_internals import (
     backward_in_one_call,
     checkpoint_engine,
     linear_duplicate_check,
-    set_overflow_check,
+    set_gradient_scans,
 )
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
@@ -115,7 +115,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
         # gradient partition there).
         engine.pipeline_enable_backward_allreduce = False
     backward_in_one_call(engine)
-    set_overflow_check(engine, fused=True)
+    set_gradient_scans(engine, fused=True)
     saving.install(engine)
     return engine
 

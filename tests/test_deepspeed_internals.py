@@ -74,20 +74,24 @@ def test_the_linear_duplicate_check_agrees_with_deepspeeds():
     assert verdicts[0] and "Parameter with name: bias occurs multiple times" in verdicts[0]
 
 
-def fused_and_deepspeeds_overflow_checks(optimizer) -> list[tuple[bool, bool]]:
-    """ZeRO's verdict on the gradient partition as it is, then with one element of its last tensor set to
-    NaN, +inf and -inf: (the instance's fused check, DeepSpeed's own) each time; the element restored."""
-    grad = optimizer.averaged_gradients[0][-1]
+def fused_and_deepspeeds_scans(optimizer) -> list[tuple[bool, bool, float, float]]:
+    """ZeRO's scans of the gradient partition as it is, then with one element of its last tensor set to
+    NaN, +inf and -inf: (overflow verdict fused, DeepSpeed's; gradient norm fused, DeepSpeed's) each
+    time; the element restored."""
+    grads, params = optimizer.averaged_gradients[0], optimizer.params_in_partition[0]
+    grad = grads[-1]
     first = (0,) * grad.dim()
     kept = grad[first].item()
-    verdicts = []
+    scans = []
     for value in (kept, math.nan, math.inf, -math.inf):
         grad[first] = value
         fused = optimizer.has_overflow_partitioned_grads_serial()
         deepspeeds = type(optimizer).has_overflow_partitioned_grads_serial(optimizer)
-        verdicts.append((bool(fused), bool(deepspeeds)))
+        norm = optimizer.get_grad_norm_direct(grads, params)
+        deepspeeds_norm = type(optimizer).get_grad_norm_direct(optimizer, grads, params)
+        scans.append((bool(fused), bool(deepspeeds), norm.item(), deepspeeds_norm.item()))
     grad[first] = kept
-    return verdicts
+    return scans
 
 
 @pytest.mark.slow
@@ -115,11 +119,11 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     params = [p for p in engine.module.parameters() if p.requires_grad]
     slices = []
 
-    overflow_verdicts = []
+    scans = []
 
     def step(*args, **kwargs):  # between backward and the update, where fathom's guard runs
         slices.append([zero_gradient_slice(p) for p in params])
-        overflow_verdicts.extend(fused_and_deepspeeds_overflow_checks(engine.optimizer))
+        scans.extend(fused_and_deepspeeds_scans(engine.optimizer))
         original(*args, **kwargs)
 
     original = replace_model_step(engine, step)
@@ -146,8 +150,9 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     assert all(zero_sharded(p) for p in params)
     assert sum(s.numel() for s in slices[0]) == sum(p.numel() for p in params)  # one rank holds every slice
     assert all(torch.isfinite(s).all() for s in slices[0]) and any(s.abs().sum() > 0 for s in slices[0])
-    # the fused check (set_overflow_check, which build_engine installs) agrees with DeepSpeed's
-    assert overflow_verdicts == [(False, False), (True, True), (True, True), (True, True)]
+    # the fused scans (set_gradient_scans, which build_engine installs) agree with DeepSpeed's, bit for bit
+    assert [scan[:2] for scan in scans] == [(False, False), (True, True), (True, True), (True, True)]
+    assert scans[0][2] == scans[0][3] > 0 and all(scan[2] == scan[3] == -1 for scan in scans[1:])  # -1: not finite
     clear_pipe_buffers(engine)
     assert engine.loss is None
 

@@ -98,17 +98,17 @@ def test_fp16_skip_leaves_weights_and_optimizer_state_as_they_were(tmp_path):
 
 
 def test_the_fused_overflow_check_sees_nan_and_inf_on_cuda():
-    """set_overflow_check's multi-tensor inf-norm on CUDA's fused kernel (same dtype and device: one
+    """set_gradient_scans's multi-tensor inf-norm on CUDA's fused kernel (same dtype and device: one
     launch) flags a NaN, +inf or -inf in any one of many gradient tensors, as DeepSpeed's check does."""
     import types
 
-    from pipeline.deepspeed_internals import set_overflow_check
+    from pipeline.deepspeed_internals import set_gradient_scans
 
     grads = [torch.randn(n, device="cuda") for n in (7, 1000, 3, 4096)]
     optimizer = types.SimpleNamespace(
         has_overflow_partitioned_grads_serial=None, cpu_offload=False, bit16_groups=[[]], averaged_gradients={0: grads}
     )
-    set_overflow_check(types.SimpleNamespace(optimizer=optimizer, device=torch.device("cuda")), fused=True)
+    set_gradient_scans(types.SimpleNamespace(optimizer=optimizer, device=torch.device("cuda")), fused=True)
     assert not optimizer.has_overflow_partitioned_grads_serial().item()
     for value in (math.nan, math.inf, -math.inf):
         for grad in grads:

@@ -12,12 +12,13 @@ with the same dropout, loss and AdamW:
   (reentrant, random states saved and restored): what recomputation costs a plain loop;
 - engine: what scripts/train.py runs, at one stage: build_engine (ZeRO-1, gradient clipping at 1.0)
   with every `checkpoint_interval`-th layer's activations recomputed in the backward pass, as training
-  does at depth, and fathom's dropout reseeding per layer and micro-batch.
+  does at depth, fathom's dropout reseeding per layer and micro-batch, and its stability guard (a check
+  of every layer's output, one of the loss and gradients before the update).
 
 So the engine's step time over the plain loop's is everything training adds to the model: the
-pipeline schedule, the recomputed forward, the reseeding, the clipping and ZeRO's copies. A third
+pipeline schedule, the recomputed forward, the reseeding, the checks, the clipping and ZeRO's copies. A third
 system, engine-deepspeed, is the same engine with DeepSpeed's own settings where fathom picks others
-(its checkpoint function, contiguous_gradients, its throughput timer, ZeRO's overflow check): what those
+(its checkpoint function, contiguous_gradients, its throughput timer, ZeRO's gradient scans): what those
 choices save.
 
 Precision: fp32, or bf16: the plain loop then keeps fp32 weights under torch.autocast to bf16, the
@@ -58,8 +59,9 @@ from model.model_config import ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
-from pipeline.deepspeed_internals import set_checkpoint_function, set_overflow_check
+from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans
 from pipeline.dropout_masks import DropoutMasks
+from pipeline.safety.divergence import StabilityGuard
 from tools.training_speed import (
     ADAMW,
     Step,
@@ -154,9 +156,9 @@ def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
 
 def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:
     """DeepSpeed's own code where build_engine and DropoutMasks install fathom's: its checkpoint function
-    (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects) and ZeRO's overflow check."""
+    (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects) and ZeRO's gradient scans."""
     set_checkpoint_function(engine.module, non_reentrant_checkpoint)
-    set_overflow_check(engine, fused=False)
+    set_gradient_scans(engine, fused=False)
 
 
 @contextlib.contextmanager
@@ -168,6 +170,7 @@ def engine_step(
     ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
     with built_engine(bench.model, ds, bench.device) as engine:
         masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
+        StabilityGuard(engine, bench.model)  # its per-layer output checks and its check before the update
         if deepspeeds:
             use_deepspeeds_own(engine)
         if compiled:

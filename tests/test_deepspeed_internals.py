@@ -117,9 +117,7 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     assert isinstance(checkpoint_engine(engine), TorchCheckpointEngine)
 
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    slices = []
-
-    scans = []
+    slices, scans = [], []
 
     def step(*args, **kwargs):  # between backward and the update, where fathom's guard runs
         slices.append([zero_gradient_slice(p) for p in params])

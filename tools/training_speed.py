@@ -456,15 +456,16 @@ def gpu_check_summary(out: Path) -> str:
         name = f"profile {depth}L-{depth}L"
         host = [f"{r['step_s'] / r['layer_passes'] * 1e3:.3f} ms" for r in (plain, engine)]
         busy = [f"{r['kernel_s'] / r['step_s']:.1%}" for r in (plain, engine)]
+
+        vs_plain = {system: f"x{r['step_s'] / plain['step_s']:.2f}" for system, r in by_system.items()}
         others = {"engine-deepspeed": "DeepSpeed's settings", "plain-checkpointed": "plain checkpointed"}
-        ratio = f"x{engine['step_s'] / plain['step_s']:.2f}"
-        if aside := [
-            f"{what} x{by_system[s]['step_s'] / plain['step_s']:.2f}" for s, what in others.items() if s in by_system
-        ]:
+        ratio = vs_plain["engine"]
+        if aside := [f"{what} {vs_plain[s]}" for s, what in others.items() if s in by_system]:
             ratio += f" ({'; '.join(aside)})"
         if compiled := by_system.get("engine-compiled"):
-            compiled_busy = compiled["kernel_s"] / compiled["step_s"]
-            ratio += f"; compiled x{compiled['step_s'] / plain['step_s']:.2f}, GPU busy {compiled_busy:.1%}"
+            ratio += (
+                f"; compiled {vs_plain['engine-compiled']}, GPU busy {compiled['kernel_s'] / compiled['step_s']:.1%}"
+            )
         rows += [[f"{name}: host / layer / micro-batch", host[0], "", "", host[1], ratio]]
         rows += [[f"{name}: GPU busy", busy[0], "", "", busy[1], ""]]
     if not profile.exists():
@@ -477,12 +478,13 @@ def gpu_check_summary(out: Path) -> str:
     model = json.loads((run_dir / "config.json").read_text())["model"] if (run_dir / "config.json").exists() else None
     what = f"train {model['encoder_layers']}L-{model['decoder_layers']}L, 1 GPU" if model else "train500"
     cell = f"{statistics.median(steady):.2f} s/step (median of {len(steady)})" if steady else ""
-    log = out / "train500.txt"
+    train_log = out / "train500.txt"
     # A run stopped before its first save leaves no run directory: its log says how far it got.
-    if not steady and log.exists() and (logged := re.findall(r"^step (\d+/\d+) ", log.read_text(), re.MULTILINE)):
-        cell = f"stopped after step {logged[-1]}"
+    if not steady and train_log.exists():
+        if logged := re.findall(r"^step (\d+/\d+) ", train_log.read_text(), re.MULTILINE):
+            cell = f"stopped after step {logged[-1]}"
     rows.append([what, "", "", "", " ".join(filter(None, (cell, status("train500")))), ""])
-    log = out / "test_gpu.txt"
-    last = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    test_log = out / "test_gpu.txt"
+    last = test_log.read_text().strip().splitlines()[-1:] if test_log.exists() else []
     rows.append(["tests/test_gpu.py", "", "", "", " ".join(filter(None, (*last, status("test_gpu")))), ""])
     return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]])

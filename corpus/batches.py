@@ -95,14 +95,16 @@ class SyntheticTranslation:
         return {"synthetic": asdict(self.cfg)}
 
 
-def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
+def _pad(rows: list[torch.Tensor], multiple: int = 1) -> torch.Tensor:
+    """One right-padded batch, as long as its longest row rounded up to a multiple of `multiple`."""
+    batch = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=PAD)
+    return torch.nn.functional.pad(batch, (0, -batch.size(1) % multiple), value=PAD)
 
 
-def with_eos(sentences: list[torch.Tensor]) -> torch.Tensor:
+def with_eos(sentences: list[torch.Tensor], multiple: int = 1) -> torch.Tensor:
     """Sentences of token ids (without eos) as one right-padded batch, each ending in eos."""
     eos = torch.tensor([EOS])
-    return _pad([torch.cat([s, eos]) for s in sentences])
+    return _pad([torch.cat([s, eos]) for s in sentences], multiple)
 
 
 def length_batches(sources: list[torch.Tensor], indices: Iterable[int], size: int) -> list[list[int]]:
@@ -112,12 +114,13 @@ def length_batches(sources: list[torch.Tensor], indices: Iterable[int], size: in
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
-def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> MicroBatch:
-    """fairseq's layout: source and target end in eos; the decoder input is eos + target[:-1]."""
+def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]], pad_to_multiple: int = 1) -> MicroBatch:
+    """fairseq's layout: source and target end in eos; the decoder input is eos + target[:-1]. Each side
+    is padded to a multiple of `pad_to_multiple` tokens (data.pad_to_multiple)."""
     eos = torch.tensor([EOS])
-    src = with_eos([s for s, _ in pairs])
-    target = with_eos([t for _, t in pairs])
-    prev_output_tokens = _pad([torch.cat([eos, t]) for _, t in pairs])
+    src = with_eos([s for s, _ in pairs], pad_to_multiple)
+    target = with_eos([t for _, t in pairs], pad_to_multiple)
+    prev_output_tokens = _pad([torch.cat([eos, t]) for _, t in pairs], pad_to_multiple)
     return (src, prev_output_tokens), target
 
 
@@ -128,6 +131,8 @@ class BatchSize:
 
     sentences: int | None = None
     max_tokens: int | None = None
+    # Each side of a micro-batch padded to a multiple of this many tokens: fewer shapes (CUDA graphs).
+    pad_to_multiple: int = 1
 
     def pack(self, order: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
         """Consecutive runs of `order`, each as long as the budget allows (greedy, in order). Found a window
@@ -167,7 +172,7 @@ def eval_batches(corpus: ParallelCorpus, size: BatchSize) -> list[MicroBatch]:
     """Every pair once, grouped by length, in a fixed order."""
     lengths = corpus.lengths()
     order = np.argsort(lengths, kind="stable")
-    return [collate([corpus.pair(int(i)) for i in batch]) for batch in size.pack(order, lengths)]
+    return [collate([corpus.pair(int(i)) for i in batch], size.pad_to_multiple) for batch in size.pack(order, lengths)]
 
 
 def epoch_length(lengths: np.ndarray, size: BatchSize, seed: int) -> int:
@@ -232,7 +237,7 @@ class MicroBatches:
         return self
 
     def __next__(self) -> MicroBatch:
-        batch = collate([self.corpus.pair(int(i)) for i in self._indices(self.next)])
+        batch = collate([self.corpus.pair(int(i)) for i in self._indices(self.next)], self.size.pad_to_multiple)
         self.next += self.world
         self.target_tokens += int(batch[1].ne(PAD).sum())
         return batch

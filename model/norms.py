@@ -425,9 +425,23 @@ class BranchScaled(PostNorm):
     def __init__(self, schedule: Callable[[int], float]):
         super().__init__(branch_scale=schedule(0))
         self.schedule = schedule
+        self.register_buffer("alpha", None, persistent=False)
+
+    def hold_alpha_in_tensor(self, device: torch.device | None = None) -> None:
+        """Reads alpha_t from a tensor on `device` at every forward (it moves with the module; set_step
+        writes it), for code that records kernels once and replays them (CUDA graphs), which would
+        otherwise keep the float of the step it recorded. A bf16 model multiplies by alpha_t rounded to bf16."""
+        self.alpha = torch.tensor(self.branch_scale, device=device)
 
     def set_step(self, step: int) -> None:
         self.branch_scale = self.schedule(step)
+        if self.alpha is not None:
+            self.alpha.fill_(self.branch_scale)
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        if self.alpha is None:
+            return super().forward(x, branch, layer_norm)
+        return layer_norm(x + branch(x) * self.alpha)
 
 
 @register

@@ -18,6 +18,7 @@ from pipeline import admin_profile
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import check_not_in_use
 from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from pipeline.cuda_graphs import check_cuda_graphs
 from pipeline.launched import launched_world
 
 
@@ -64,6 +65,7 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     cfg, corpus = resolve_run(args.config, args.override, world_size, checksums)
     if cfg.train.compile and (missing := compiler_missing()):
         raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
+    check_cuda_graphs(cfg)
     admin_profile.check(cfg.model)
     check_fits(corpus, cfg)
     if cfg.train.valid_interval > 0:

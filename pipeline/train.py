@@ -35,6 +35,7 @@ from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
 from pipeline.config.run_config import RunConfig
+from pipeline.cuda_graphs import graph_layers
 from pipeline.deepspeed_internals import (
     backward_in_one_call,
     checkpoint_engine,
@@ -95,6 +96,8 @@ def build_pipeline(cfg: RunConfig) -> PipelineModule:
         module = PipelineModule(partition_method=cfg.partition, **options)
     if cfg.train.compile:
         compile_layers(module)
+    if cfg.train.cuda_graphs:
+        graph_layers(module)
     # seed_layers also reseeds every forward from a counter that a resume restarts; dropout is
     # seeded per step by the loop instead, so turn it off once the layers are built.
     module.seed_layers = False

@@ -116,3 +116,28 @@ def test_the_fused_overflow_check_sees_nan_and_inf_on_cuda():
             grad[-1] = value
             assert optimizer.has_overflow_partitioned_grads_serial().item(), (value, grad.numel())
             grad[-1] = kept
+
+
+def test_cuda_graphs_train_as_the_eager_layers_do(tmp_path):
+    """train.cuda_graphs replays every Transformer layer from CUDA graphs: with dropout, BranchNorm's alpha
+    moving every step and micro-batches of two padded shapes, the losses and gradient norms are those of
+    the eager layers (fp32: to float tolerance; bf16, where the graphs multiply by alpha rounded to bf16:
+    closely), and a validation pass in between runs the layers eagerly."""
+    overrides = [
+        "model.dropout=0.1", "model.branchnorm.T=3", "data.pad_to_multiple=4", "data.synthetic.max_len=9",
+        "train.max_steps=6", "train.save_interval=6", "train.valid_interval=3",
+    ]  # fmt: skip
+    for precision, tolerance in (([], 1e-4), (["bf16.enabled=true"], 2e-2)):
+        runs = []
+        for graphs in ("false", "true"):
+            save = tmp_path / f"{graphs}-{len(precision)}"
+            assert train(save, *overrides, *precision, f"train.cuda_graphs={graphs}").returncode == 0
+            runs.append(jsonl(save / "metrics.jsonl"))
+        eager, graphed = runs
+        assert [r["step"] for r in graphed] == list(range(1, 7))
+        for ours, theirs in zip(graphed, eager, strict=True):
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=tolerance), (precision, ours["step"])
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=10 * tolerance), (
+                precision,
+                ours["step"],
+            )

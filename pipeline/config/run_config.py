@@ -37,11 +37,16 @@ class DataConfig:
     path: str | list[str] | None = None
     # Token budget per micro-batch (pairs grouped by length); None: train_micro_batch_size_per_gpu pairs.
     max_tokens: int | None = None
+    # Each side of a micro-batch padded to a multiple of this many tokens (fairseq's
+    # --required-seq-len-multiple): fewer shapes for train.cuda_graphs to record, at the cost of pad tokens.
+    pad_to_multiple: int = 1
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"data.max_tokens: must be positive, got {self.max_tokens}")
+        if self.pad_to_multiple < 1:
+            raise ConfigError(f"data.pad_to_multiple: must be at least 1 (1: no padding), got {self.pad_to_multiple}")
         if self.path == []:
             raise ConfigError("data.path: an empty list; give a prepared data directory, or a list of shards")
         if isinstance(self.path, list) and len(set(self.path)) < len(self.path):
@@ -116,6 +121,10 @@ class TrainConfig:
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
     compile: bool = False
+    # Each Transformer layer replayed from CUDA graphs in training, a graph per input shape
+    # (pipeline/cuda_graphs.py): one launch per layer instead of a hundred-odd. CUDA only; needs activation
+    # checkpointing (pipeline.activation_checkpoint_interval >= 1).
+    cuda_graphs: bool = False
     # Each pipeline instruction's time (forward, backward, sends and receives, ...) per step and rank to
     # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/safety/time_breakdown.py).
     time_breakdown: bool = False
@@ -170,8 +179,10 @@ class RunConfig:
     @property
     def batch_size(self) -> BatchSize:
         if self.data.max_tokens is not None:
-            return BatchSize(max_tokens=self.data.max_tokens)
-        return BatchSize(sentences=self.deepspeed["train_micro_batch_size_per_gpu"])
+            return BatchSize(max_tokens=self.data.max_tokens, pad_to_multiple=self.data.pad_to_multiple)
+        return BatchSize(
+            sentences=self.deepspeed["train_micro_batch_size_per_gpu"], pad_to_multiple=self.data.pad_to_multiple
+        )
 
     def to_dict(self) -> dict[str, Any]:
         model = asdict(self.model)

@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=(),
         help=f"--profile: comma-separated of {', '.join(step_profile.SYSTEMS)} (default: all but engine-compiled)",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="--profile: also write each system's profiled step to DIR as a Chrome trace (SYSTEM-DEPTHL.json.gz)",
+    )
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     return parser.parse_args(argv)
 
@@ -137,8 +143,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--device {args.device}: --stage-times times the stages on the CPU; leave --device out")
     if args.profile and args.compare:
         raise ConfigError("--compare: --profile times its own systems (plain loops and engines); leave --compare out")
-    if args.systems and not args.profile:
-        raise ConfigError("--systems: the systems of --profile; without it, name peers with --compare")
+    for option, value in {"--systems": args.systems, "--trace": args.trace}.items():
+        if value and not args.profile:
+            raise ConfigError(f"{option}: an option of --profile; add --profile or leave {option} out")
 
 
 def model_of(args: argparse.Namespace) -> ModelConfig:
@@ -181,6 +188,7 @@ def profile_bench_of(args: argparse.Namespace) -> ProfileBench:
         steps=args.steps,
         rounds=args.rounds,
         systems=args.systems,
+        trace=args.trace,
     )
 
 

@@ -11,8 +11,8 @@
 #   test_gpu    tests/test_gpu.py (fp16 training, which needs a GPU)
 #   bench1-3    scripts/bench.py at 3 shapes, autocast: fathom, bf16-weights, torchscale, engine (bf16)
 #   profile     scripts/bench.py --profile at branchnorm_500L.json's model, 100L-100L: the plain loop,
-#               the engine, and the engine with its layers compiled
-#   train500    ds_configs/branchnorm_500L.json at one stage for 4 steps
+#               the engine, and the engine with its layers replayed from CUDA graphs
+#   train500    ds_configs/branchnorm_500L.json at one stage for 4 steps, with train.cuda_graphs
 # then one markdown table of what OUT_DIR holds (scripts/bench.py --summarize OUT_DIR). Naming pieces
 # runs those alone, into the same OUT_DIR: a second call for what the first one's caps cut off.
 set -uo pipefail
@@ -33,6 +33,7 @@ if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
     STEPS="--warmup 1 --steps 2 --rounds 1"
     PROFILE="--layers 4 --dim 32 --ffn 64 --heads 2"
     TRAIN=(model.encoder_layers=4 model.decoder_layers=4 train.max_steps=2)
+    GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 else
     TESTS=()
     SHAPES=(
@@ -44,9 +45,11 @@ else
     SIZE="--vocab 32000 --src-len 64 --tgt-len 64 --matmul-sizes 4096,8192"
     STEPS="--warmup 2 --steps 4 --rounds 1"
     PROFILE="--layers 100 --dim 128 --ffn 512 --heads 4"
-    # 4 steps: the engine took about 20 s a step on an H100 (docs/BENCHMARKS.md); the summary's
-    # median leaves out the first two.
+    # 4 steps: the engine took about 20 s a step on an H100 without graphs (docs/BENCHMARKS.md); the
+    # summary's median leaves out the first two.
     TRAIN=(train.max_steps=4)
+    # every micro-batch one shape (sentences of up to 7 tokens with eos): one graph per layer
+    GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 fi
 
 COMPARE=bf16-weights,torchscale,deepspeed
@@ -83,16 +86,16 @@ done
 
 # branchnorm_500L.json's model and micro-batches (8 pairs of up to 6 tokens, its synthetic task's 16
 # words and 4 special symbols), 4 of them a step; bf16: the plain loop under autocast, the engine bf16;
-# the compiled engine's warmup step compiles.
+# the graphed engine's warmup step records the graphs.
 # shellcheck disable=SC2086
 piece profile 160 python scripts/bench.py --profile $PROFILE --vocab 20 --scheme branchnorm --batch 8 \
     --src-len 6 --tgt-len 6 --micro-batches 4 --checkpoint-interval 1 --device cuda --precision bf16 \
-    --systems plain,engine,engine-compiled --warmup 1 --steps 2 --rounds 1 --json "$OUT/profile.json"
+    --systems plain,engine,engine-graphed --warmup 1 --steps 2 --rounds 1 --json "$OUT/profile.json"
 
 # train.save_interval past max_steps: only the final save, which a run always makes.
 if selected train500; then rm -rf "$OUT/run500"; fi
 piece train500 120 deepspeed --num_gpus 1 scripts/train.py --config ds_configs/branchnorm_500L.json \
-    --override pipeline.stages=1 "${TRAIN[@]}" train.save_interval=1000 "train.save_dir=$OUT/run500" \
-    train.log_interval=1
+    --override pipeline.stages=1 "${TRAIN[@]}" "${GRAPHS[@]}" train.save_interval=1000 \
+    "train.save_dir=$OUT/run500" train.log_interval=1
 
 python scripts/bench.py --summarize "$OUT" | tee "$OUT/summary.md"

@@ -2,6 +2,7 @@
 FLOP counter on a real training step, the fixed batch's layout, the autocast loop's precision, the
 profile's counts, and its refusals of bad arguments."""
 
+import gzip
 import json
 import math
 import subprocess
@@ -56,7 +57,8 @@ def test_synthetic_batch_is_full_length_without_padding():
         (["--json", "/no-dir/bench.json"], "--json /no-dir/bench.json: /no-dir is not a directory"),  # after timing
         (["--profile", "--systems", "plain,nope"], "--systems: unknown nope; choose from plain, plain-checkpointed"),
         (["--profile", "--systems", "engine"], "--systems: plain is what the others are measured against"),
-        (["--systems", "plain"], "--systems: the systems of --profile; without it, name peers with --compare"),
+        (["--systems", "plain"], "--systems: an option of --profile; add --profile or leave --systems out"),
+        (["--trace", "/tmp/t"], "--trace: an option of --profile; add --profile or leave --trace out"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda: torch sees no CUDA GPU on this machine",
@@ -108,7 +110,7 @@ def test_profile_counts_aten_ops_and_no_kernels_on_a_cpu():
 
 
 @pytest.mark.slow  # builds and trains DeepSpeed's engine
-def test_profile_times_every_system(process_group):
+def test_profile_times_every_system(process_group, tmp_path):
     bench = ProfileBench(
         model=TINY, batch=2, src_len=5, tgt_len=4, micro_batches=2, checkpoint_interval=1, precision="fp32",
         device="cpu", warmup=1, steps=2,
@@ -121,8 +123,14 @@ def test_profile_times_every_system(process_group):
         assert p.depth == 2 and p.layer_passes == 4 * 2
     # the engine recomputes every layer's forward in the backward pass: more ops than the plain loop
     assert engine.aten_ops > plain.aten_ops
-    chosen = profile_systems(replace(bench, systems=("engine", "plain")))
+    chosen = profile_systems(replace(bench, systems=("engine", "plain"), trace=tmp_path / "traces"))
     assert [p.system for p in chosen] == ["engine", "plain"]
+    # each system's profiled step as a Chrome trace, with the Python frames that issued its ops
+    for system in ("engine", "plain"):
+        with gzip.open(tmp_path / "traces" / f"{system}-2L.json.gz", "rt") as trace:
+            events = json.load(trace)["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        assert "aten::addmm" in names and any(name.startswith("model/layers.py") for name in names), system
 
 
 def test_gpu_check_summary_reads_whatever_the_pieces_left(tmp_path):
@@ -138,7 +146,7 @@ def test_gpu_check_summary_reads_whatever_the_pieces_left(tmp_path):
     (tmp_path / "bench2.rc").write_text("124\n")
     profiles = [
         {"system": system, "depth": 100, "step_s": step_s, "kernel_s": 0.5, "layer_passes": 800}
-        for system, step_s in (("plain", 1.0), ("engine", 4.0), ("engine-compiled", 2.0))
+        for system, step_s in (("plain", 1.0), ("engine", 4.0), ("engine-compiled", 2.0), ("engine-graphed", 0.8))
     ]
     (tmp_path / "profile.json").write_text(json.dumps({"results": profiles}))
     (tmp_path / "train500.txt").write_text("fathom: stage 0\nstep 1/4 | loss 3.5 | 8 tok/s\nstep 2/4 | loss 3.4\n")
@@ -150,7 +158,8 @@ def test_gpu_check_summary_reads_whatever_the_pieces_left(tmp_path):
                        "-", "10,000 tok/s, MFU 10.0%", "x2.00 |"]  # fmt: skip
     assert rows[3][:2] == ["| bench2", "exit 124"]
     assert rows[4] == ["| profile 100L-100L: host / layer / micro-batch", "1.250 ms", "", "", "5.000 ms",
-                       "x4.00; compiled x2.00, GPU busy 25.0% |"]  # fmt: skip
+                       "x4.00; compiled x2.00, 2.500 ms, GPU busy 25.0%; "
+                       "CUDA graphs x0.80, 1.000 ms, GPU busy 62.5% |"]  # fmt: skip
     assert rows[5][1] == "50.0%" and rows[5][4] == "12.5%"
     assert rows[6][0] == "| train500" and rows[6][4] == "stopped after step 2/4 exit 124"
     assert rows[7][4] == "3 passed in 95.21s"

@@ -28,9 +28,10 @@ Wall time is the median over the timed steps of every round (the systems take tu
 counts come from torch.profiler over one more step of the last round: every aten:: op (nested ones
 included), and on a GPU the kernel launches and the kernels' summed device time.
 
-A fifth system, engine-compiled, timed where asked for, is the engine with every Transformer layer's
-forward compiled by torch.compile (train.compile): fewer, fused kernels per layer; its warmup steps
-compile.
+Two more systems are timed where asked for: engine-compiled, the engine with every Transformer layer's
+forward compiled by torch.compile (train.compile): fewer, fused kernels per layer, its warmup steps
+compile; and on a GPU engine-graphed, every Transformer layer replayed from CUDA graphs
+(train.cuda_graphs): one launch per layer and pass, its first step records the graphs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -59,6 +61,7 @@ from model.model_config import ModelConfig
 from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
+from pipeline.cuda_graphs import graph_layers
 from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.safety.divergence import StabilityGuard
@@ -74,7 +77,8 @@ from tools.training_speed import (
     to_device,
 )
 
-KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# the host's launch calls: a kernel, or a CUDA graph of many
+KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class ProfileBench:
     steps: int
     rounds: int = 1
     systems: tuple[str, ...] = ()  # of SYSTEMS, plain among them; () all but engine-compiled
+    trace: Path | None = None  # a folder: each system's profiled step as a Chrome trace, Python frames included
 
 
 @dataclass
@@ -163,10 +168,11 @@ def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:
 
 @contextlib.contextmanager
 def engine_step(
-    bench: ProfileBench, batch: MicroBatch, deepspeeds: bool = False, compiled: bool = False
+    bench: ProfileBench, batch: MicroBatch, deepspeeds: bool = False, compiled: bool = False, graphed: bool = False
 ) -> Iterator[Step]:
     """The engine as scripts/train.py runs it, or with DeepSpeed's own settings where fathom picks
-    others (docs/TRAINING.md), or with its layers compiled (train.compile)."""
+    others (docs/TRAINING.md), or with its layers compiled (train.compile) or replayed from CUDA graphs
+    (train.cuda_graphs)."""
     ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
     with built_engine(bench.model, ds, bench.device) as engine:
         masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
@@ -175,6 +181,8 @@ def engine_step(
             use_deepspeeds_own(engine)
         if compiled:
             compile_layers(engine.module)
+        if graphed:
+            graph_layers(engine.module)
         micro_batches = itertools.repeat(batch)
         steps = itertools.count()
 
@@ -192,6 +200,7 @@ SYSTEMS: dict[str, Callable[[ProfileBench, MicroBatch], contextlib.AbstractConte
     "engine-deepspeed": partial(engine_step, deepspeeds=True),
     "engine": engine_step,
     "engine-compiled": partial(engine_step, compiled=True),
+    "engine-graphed": partial(engine_step, graphed=True),
 }
 DEFAULT_SYSTEMS = ("plain", "plain-checkpointed", "engine-deepspeed", "engine")
 
@@ -212,17 +221,27 @@ def check(bench: ProfileBench) -> None:
         raise ConfigError("--systems: plain is what the others are measured against; name it too")
     if "engine-compiled" in systems and (missing := compiler_missing()):
         raise ConfigError(f"--systems: engine-compiled: torch.compile cannot build kernels here: {missing}")
+    if "engine-graphed" in systems and not bench.device.startswith("cuda"):
+        raise ConfigError(f"--systems: engine-graphed: CUDA graphs need --device cuda, not {bench.device}")
+    if "engine-graphed" in systems and not bench.checkpoint_interval:
+        raise ConfigError("--systems: engine-graphed: needs activation checkpointing (--checkpoint-interval)")
     check_deepspeed(profile_config(bench), bench.model, world_size=1)
 
 
-def counted(step: Step, device: str) -> tuple[int, int, float]:
+def counted(step: Step, device: str, trace: Path | None = None) -> tuple[int, int, float]:
     """(aten ops, kernel launches, kernel seconds) of one call of `step`, from torch.profiler. Kernel
     seconds: everything the GPU ran (copies and memsets too), summed: its busy time if nothing overlaps.
     The profiler's raw events are read, not prof.events(), whose tree of Python objects takes minutes
-    to build at depth (22 s for the 320,000 events of a 25L-25L step on a CPU; 0.6 s raw)."""
+    to build at depth (22 s for the 320,000 events of a 25L-25L step on a CPU; 0.6 s raw).
+
+    With `trace` (a .json or .json.gz path), the step is also written there as a Chrome trace with the
+    Python frames that issued each op (chrome://tracing, ui.perfetto.dev); recording the frames slows
+    the host, which the counts do not see."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=trace is not None) as prof:
         step()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     aten = launches = kernel_ns = 0
     for event in prof.profiler.kineto_results.events():
         name = event.name()
@@ -231,6 +250,13 @@ def counted(step: Step, device: str) -> tuple[int, int, float]:
         if event.device_type() == DeviceType.CUDA:
             kernel_ns += event.duration_ns()
     return aten, launches, kernel_ns / 1e9
+
+
+def trace_path(bench: ProfileBench, system: str) -> Path | None:
+    if bench.trace is None:
+        return None
+    bench.trace.mkdir(parents=True, exist_ok=True)
+    return bench.trace / f"{system}-{bench.model.encoder_layers}L.json.gz"
 
 
 def profile_systems(bench: ProfileBench) -> list[StepProfile]:
@@ -246,8 +272,9 @@ def profile_systems(bench: ProfileBench) -> list[StepProfile]:
         for system in systems:
             with SYSTEMS[system](bench, batch) as step:
                 times[system] += time_steps(step, bench.warmup, bench.steps)
+                print(f"{system}: {statistics.median(times[system]) * 1e3:.1f} ms a step", flush=True)
                 if last:  # the counts do not vary; the profiler's step is slow
-                    counts[system] = counted(step, bench.device)
+                    counts[system] = counted(step, bench.device, trace_path(bench, system))
             gc.collect()  # the engine is full of reference cycles: free it before the next system is built
     depth = bench.model.encoder_layers
     passes = (bench.model.encoder_layers + bench.model.decoder_layers) * bench.micro_batches

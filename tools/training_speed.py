@@ -462,10 +462,10 @@ def gpu_check_summary(out: Path) -> str:
         ratio = vs_plain["engine"]
         if aside := [f"{what} {vs_plain[s]}" for s, what in others.items() if s in by_system]:
             ratio += f" ({'; '.join(aside)})"
-        if compiled := by_system.get("engine-compiled"):
-            ratio += (
-                f"; compiled {vs_plain['engine-compiled']}, GPU busy {compiled['kernel_s'] / compiled['step_s']:.1%}"
-            )
+        for system, what in (("engine-compiled", "compiled"), ("engine-graphed", "CUDA graphs")):
+            if r := by_system.get(system):
+                per_layer = r["step_s"] / r["layer_passes"] * 1e3
+                ratio += f"; {what} {vs_plain[system]}, {per_layer:.3f} ms, GPU busy {r['kernel_s'] / r['step_s']:.1%}"
         rows += [[f"{name}: host / layer / micro-batch", host[0], "", "", host[1], ratio]]
         rows += [[f"{name}: GPU busy", busy[0], "", "", busy[1], ""]]
     if not profile.exists():

@@ -214,12 +214,15 @@ FUSED_SCANS = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
 
 def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
     """Whether ZeRO's two scans over the gradient partition before each step, its check for non-finite
-    gradients and its gradient norm, run as a few multi-tensor ops instead of several ops per tensor
-    (DeepSpeed's check: amax, amin, two isfinite and a sum, about 40 ATen ops per parameter tensor on a
-    CPU, 40% of a 6L-6L engine step's, 7 kernel launches per tensor on a GPU; its norm: an fp64 copy and
-    a norm per tensor). Same results: a tensor's inf-norm, its largest magnitude, is finite exactly when
-    every element is (it propagates NaN, on a GPU too); the norm counts the tensors DeepSpeed's counts,
-    in the same dtype. Not fused: DeepSpeed's own. Only for ZeRO's optimizer without offloading."""
+    gradients and its gradient norm, run as one pass of multi-tensor ops instead of several ops per
+    tensor in each (DeepSpeed's check: amax, amin, two isfinite and a sum, about 40 ATen ops per
+    parameter tensor on a CPU, 40% of a 6L-6L engine step's, 7 kernel launches per tensor on a GPU; its
+    norm: an fp64 copy and a norm per tensor). The check measures every gradient's 2-norm in fp64 and
+    the norm that follows in the same step reuses them: a tensor's fp64 2-norm is finite exactly when
+    every element is (a NaN or inf makes it so, and squares of finite fp32, bf16 or fp16 values cannot
+    overflow fp64's range), and the norm counts the tensors DeepSpeed's counts, in the same dtype. Same
+    verdicts and norms as DeepSpeed's. Not fused: DeepSpeed's own. Only for ZeRO's optimizer without
+    offloading."""
     optimizer = engine.optimizer
     if not hasattr(optimizer, FUSED_SCANS[0]) or optimizer.cpu_offload:
         return
@@ -227,13 +230,27 @@ def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
         for name in FUSED_SCANS:
             vars(optimizer).pop(name, None)
         return
+    dtype = get_norm_dtype()
+    # id(gradient) -> (its version when measured, its 2-norm): what the check measured for the norm
+    measured: dict[int, tuple[int, Tensor]] = {}
+
+    def norms(grads: list[Tensor]) -> list[Tensor]:
+        """Each gradient's 2-norm in `dtype`, measured now unless the check of this step already did."""
+        known = [measured.get(id(g), (-1, None)) for g in grads]
+        missing = [g for g, (version, _) in zip(grads, known, strict=True) if version != g._version]
+        fresh = iter(torch._foreach_norm([g.data for g in missing], 2, dtype=dtype) if missing else ())
+        return [norm if version == g._version else next(fresh) for g, (version, norm) in zip(grads, known, strict=True)]
 
     def has_overflow_partitioned_grads_serial() -> Tensor:
         grads = [g for i in range(len(optimizer.bit16_groups)) for g in optimizer.averaged_gradients[i]]
-        grads = [g for g in grads if g is not None and g.numel()]  # an empty tensor has no inf-norm
+        grads = [g for g in grads if g is not None and g.numel()]
         if not grads:
             return torch.zeros(1, dtype=torch.bool, device=engine.device)
-        return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not().view(1)
+        if dtype != torch.float64:  # fp32 squares of large gradients could overflow: their inf-norms
+            return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not().view(1)
+        measured.clear()
+        measured.update({id(g): (g._version, norm) for g, norm in zip(grads, norms(grads), strict=True)})
+        return torch.stack([norm for _, norm in measured.values()]).isfinite().all().logical_not().view(1)
 
     def get_grad_norm_direct(gradients: list[Tensor], params: list[nn.Parameter], norm_type: float = 2) -> Tensor:
         if norm_type != 2:
@@ -242,13 +259,13 @@ def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
         # one stage only, a parameter model parallelism does not split on its first rank only
         unpadded = [g for g in gradients if not getattr(g, "_zero_padding", False)]
         counted = [
-            g.data
+            g
             for g, p in zip(unpadded, params, strict=False)
             if not getattr(p, "ds_pipe_replicated", False)
             and (is_model_parallel_parameter(p) or optimizer.model_parallel_rank == 0)
         ]
         if counted:
-            squares = torch.stack(torch._foreach_norm(counted, 2, dtype=get_norm_dtype())).pow(2).sum().float()
+            squares = torch.stack(norms(counted)).pow(2).sum().float()
         else:
             squares = torch.zeros((), dtype=torch.float32, device=engine.device)
         torch.distributed.all_reduce(squares, group=optimizer.dp_process_group)

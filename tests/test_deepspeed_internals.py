@@ -94,8 +94,21 @@ def fused_and_deepspeeds_scans(optimizer) -> list[tuple[bool, bool, float, float
     return scans
 
 
+def passes_over_gradients(optimizer, monkeypatch) -> int:
+    """How many multi-tensor norms the fused check and norm of one step run."""
+    calls = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(
+        torch, "_foreach_norm", lambda *args, **kwargs: calls.append(1) or foreach_norm(*args, **kwargs)
+    )
+    optimizer.has_overflow_partitioned_grads_serial()
+    optimizer.get_grad_norm_direct(optimizer.averaged_gradients[0], optimizer.params_in_partition[0])
+    monkeypatch.undo()
+    return len(calls)
+
+
 @pytest.mark.slow
-def test_each_internal_does_what_fathom_relies_on(process_group):
+def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
                       src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln")  # fmt: skip
     ds = {
@@ -117,11 +130,12 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     assert isinstance(checkpoint_engine(engine), TorchCheckpointEngine)
 
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    slices, scans = [], []
+    slices, scans, passes = [], [], []
 
     def step(*args, **kwargs):  # between backward and the update, where fathom's guard runs
         slices.append([zero_gradient_slice(p) for p in params])
         scans.extend(fused_and_deepspeeds_scans(engine.optimizer))
+        passes.append(passes_over_gradients(engine.optimizer, monkeypatch))
         original(*args, **kwargs)
 
     original = replace_model_step(engine, step)
@@ -151,6 +165,7 @@ def test_each_internal_does_what_fathom_relies_on(process_group):
     # the fused scans (set_gradient_scans, which build_engine installs) agree with DeepSpeed's, bit for bit
     assert [scan[:2] for scan in scans] == [(False, False), (True, True), (True, True), (True, True)]
     assert scans[0][2] == scans[0][3] > 0 and all(scan[2] == scan[3] == -1 for scan in scans[1:])  # -1: not finite
+    assert passes == [1]  # the norm reuses what the check measured
     clear_pipe_buffers(engine)
     assert engine.loss is None
 

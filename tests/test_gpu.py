@@ -98,7 +98,7 @@ def test_fp16_skip_leaves_weights_and_optimizer_state_as_they_were(tmp_path):
 
 
 def test_the_fused_overflow_check_sees_nan_and_inf_on_cuda():
-    """set_gradient_scans's multi-tensor inf-norm on CUDA's fused kernel (same dtype and device: one
+    """set_gradient_scans's multi-tensor fp64 2-norm on CUDA's fused kernel (same dtype and device: one
     launch) flags a NaN, +inf or -inf in any one of many gradient tensors, as DeepSpeed's check does."""
     import types
 

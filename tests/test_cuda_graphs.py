@@ -3,6 +3,8 @@ accumulate over micro-batches as eager ones do, the config refuses what graphs c
 multiple leaves the loss as it was, and BranchNorm's alpha_t read from a tensor follows the step. The
 graphs themselves train against the eager layers in tests/test_gpu.py."""
 
+import json
+
 import pytest
 import torch
 
@@ -15,7 +17,8 @@ from model.norms import BranchScaled, PostNorm
 from pipeline import cuda_graphs
 from pipeline.config.run_config import resolve_run
 from pipeline.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
-from tests.helpers import ROOT, trained_in_process
+from tests.helpers import ROOT, launch, trained_in_process
+from tests.workers.recorded import PARAMETERS, eager_record
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
@@ -58,36 +61,6 @@ def test_replayed_gradients_accumulate_over_micro_batches_as_eager_ones_do():
         torch.testing.assert_close(ours, theirs.grad)
 
 
-# data_ptr -> parameter: the layer's own parameters, which a replay differentiates to where the graphs
-# write the gradients of the stand-ins they were recorded with
-PARAMETERS: dict[int, torch.nn.Parameter] = {}
-
-
-def eager_record(run, samples, params) -> Recording:
-    """cuda_graphs.record's contract on a CPU: replays write the layer's results into fixed buffers,
-    which the next replay overwrites, as a graph's do; the layer itself runs eagerly at each replay."""
-    assert all(p.data_ptr() in PARAMETERS and PARAMETERS[p.data_ptr()] is not p for p in params)  # stand-ins
-    wrt = [t for t in samples if t.requires_grad] + [PARAMETERS[p.data_ptr()] for p in params]
-    outputs = tuple(torch.empty_like(o) for o in run(*samples))
-    grad_outputs = tuple(torch.empty_like(o) for o in outputs)
-    input_grads = tuple(torch.empty_like(t) if t.requires_grad else None for t in samples)
-    param_grads = tuple(torch.empty_like(p) for p in params)
-    live = []
-
-    def forward() -> None:
-        with torch.enable_grad():
-            live[:] = run(*samples)
-        for buffer, value in zip(outputs, live, strict=True):
-            buffer.copy_(value.detach())
-
-    def backward() -> None:
-        grads = torch.autograd.grad(live, wrt, grad_outputs, allow_unused=True)
-        for buffer, grad in zip([g for g in input_grads if g is not None] + list(param_grads), grads, strict=True):
-            buffer.copy_(grad) if grad is not None else buffer.zero_()
-
-    return Recording(samples, outputs, grad_outputs, input_grads, param_grads, forward, backward)
-
-
 @pytest.mark.slow  # builds and trains DeepSpeed's engine
 def test_graphed_layers_train_what_the_eager_layers_train(process_group, monkeypatch):
     """Everything around the graphs on a real engine: inputs passed through (token ids, encoder_out),
@@ -122,6 +95,30 @@ def test_graphed_layers_train_what_the_eager_layers_train(process_group, monkeyp
     # bias: softmax ignores a shift of all scores) into steps of up to the learning rate.
     for a, b in zip(ours[1], eager[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=5e-4)
+
+
+@pytest.mark.slow  # two launched 2-stage runs
+def test_graphed_layers_train_across_stages_what_the_eager_layers_train(tmp_path):
+    """At 2 stages the pipeline runs a micro-batch's forward before the previous one's backward, so a
+    layer replays again while the stage still holds its last output: the output must have been copied
+    out of the graph's buffers. The default job with dropout, replays that write fixed buffers as graphs
+    do, and BranchNorm's alpha moving every step trains the eager run's losses and gradient norms."""
+    overrides = [
+        "pipeline.activation_checkpoint_interval=1", "model.encoder_layers=2", "model.decoder_layers=2",
+        "model.embed_dim=32", "model.ffn_dim=64", "model.branchnorm.T=3", "data.synthetic.sentences=200",
+        "data.pad_to_multiple=4", "train.max_steps=4", "train.save_interval=4", "train.log_interval=1",
+    ]  # fmt: skip
+    runs = []
+    for graphs in ("false", "true"):
+        save = tmp_path / graphs
+        args = ["--config", str(DEFAULT), "--override", *overrides, f"train.cuda_graphs={graphs}"]
+        script = ROOT / "tests" / "workers" / "graphs.py" if graphs == "true" else ROOT / "scripts" / "train.py"
+        assert launch(script, *args, f"train.save_dir={save}").returncode == 0
+        runs.append([json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()])
+    eager, graphed = runs
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in graphed] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in eager
+    ]
 
 
 def test_replayed_forward_without_autograd_copies_inputs_in():

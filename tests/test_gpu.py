@@ -17,7 +17,7 @@ from tests.test_stability import CONFIG, SMALL, WORKER, jsonl, same_state
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 training needs a CUDA GPU"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
 ONE_GPU = [*SMALL, "pipeline.stages=1"]

@@ -73,13 +73,13 @@ piece() {  # NAME SECONDS COMMAND...
 
 # The tests each launch their own run on a free port: side by side where pytest-xdist is installed.
 if python -c 'import xdist' 2>/dev/null; then TESTS+=(-n 3); fi
-piece test_gpu 140 python -m pytest -m gpu tests/test_gpu.py -q "${TESTS[@]}"
+piece test_gpu 170 python -m pytest -m gpu tests/test_gpu.py -q "${TESTS[@]}"
 
 shape=0
 for args in "${SHAPES[@]}"; do
     shape=$((shape + 1))
     # shellcheck disable=SC2086  # the shapes are words
-    piece "bench$shape" 50 python scripts/bench.py $args $SIZE $STEPS --device cuda --precision autocast \
+    piece "bench$shape" 45 python scripts/bench.py $args $SIZE $STEPS --device cuda --precision autocast \
         --compare "$COMPARE" --scheme deepnorm --share-all-embeddings \
         --json "$OUT/bench$shape.json"
 done
@@ -88,13 +88,13 @@ done
 # words and 4 special symbols), 4 of them a step; bf16: the plain loop under autocast, the engine bf16;
 # the graphed engine's warmup step records the graphs.
 # shellcheck disable=SC2086
-piece profile 160 python scripts/bench.py --profile $PROFILE --vocab 20 --scheme branchnorm --batch 8 \
+piece profile 150 python scripts/bench.py --profile $PROFILE --vocab 20 --scheme branchnorm --batch 8 \
     --src-len 6 --tgt-len 6 --micro-batches 4 --checkpoint-interval 1 --device cuda --precision bf16 \
     --systems plain,engine,engine-graphed --warmup 1 --steps 2 --rounds 1 --json "$OUT/profile.json"
 
 # train.save_interval past max_steps: only the final save, which a run always makes.
 if selected train500; then rm -rf "$OUT/run500"; fi
-piece train500 120 deepspeed --num_gpus 1 scripts/train.py --config ds_configs/branchnorm_500L.json \
+piece train500 115 deepspeed --num_gpus 1 scripts/train.py --config ds_configs/branchnorm_500L.json \
     --override pipeline.stages=1 "${TRAIN[@]}" "${GRAPHS[@]}" train.save_interval=1000 \
     "train.save_dir=$OUT/run500" train.log_interval=1
 

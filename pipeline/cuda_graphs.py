@@ -4,8 +4,8 @@ replayed as one graph launch each instead of a hundred-odd kernel launches.
 At depth with a small width a layer's arithmetic is microseconds of GPU time, while eager PyTorch
 spends several milliseconds of host time launching its kernels (docs/BENCHMARKS.md): the GPU waits
 for the host. A CUDA graph records a layer's kernels once and launches them all with one call. Each
-layer is recorded (`record`) the first time it trains on an input shape,
-then replayed for every micro-batch of that shape; other shapes are captured as they come, up to
+layer is recorded (`record`) the first time it trains on an input shape, then replayed for every
+micro-batch of that shape; other shapes are recorded as they come, up to
 `max_shapes` per layer, beyond which a layer runs eagerly (data.pad_to_multiple keeps the count small).
 
 What a replay relies on, and how it holds here:
@@ -13,16 +13,19 @@ What a replay relies on, and how it holds here:
   replay. Activation checkpointing makes that safe: the forward pass runs without autograd and keeps
   only each layer's output, which is copied out of the graph; the backward pass recomputes a layer and
   runs its backward before that layer replays again. Without checkpointing several micro-batches'
-  saved activations would share one graph's buffers, so cuda_graphs requires it (check_config).
+  saved activations would share one graph's buffers, so cuda_graphs requires it (check_cuda_graphs).
 - Dropout: the graph reads the CUDA generator's seed and offset when it is replayed, and fathom reseeds
-  that generator before every layer (pipeline/dropout_masks.py), so a replay draws the masks the eager
-  layer draws; capturing runs the layer a few times, and the generator's state is put back afterwards.
+  that generator before every layer (pipeline/dropout_masks.py), so a replay is meant to draw the masks
+  the eager layer draws (tests/test_gpu.py compares the losses); recording runs the layer a few times,
+  and the generator's state is put back afterwards.
 - Values that change between steps must live in tensors: BranchNorm's alpha_t is moved into one
-  (model.norms.BranchScaled.hold_alpha_on); other schemes' constants are fixed for the run.
-- Parameters keep their storage: DeepSpeed updates them in place, and checkpoint loads copy into them.
+  (model.norms.BranchScaled.hold_alpha_in_tensor); other schemes' constants are fixed for the run.
+- Parameters keep their memory: ZeRO writes its updates into one flat buffer that the parameters view,
+  and checkpoint loads copy into them.
 
-Each graph has a memory pool of its own (about 2 MB at least), so graphs cost memory per layer and
-shape on top of the model: a few GB at 500L-500L.
+Each layer and shape's graphs have a memory pool of their own (at least one 2 MB block of the caching
+allocator), on top of what the memory planner counts: by that estimate, not yet measured, 2 GB or more
+at 500L-500L.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import math
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -231,15 +232,21 @@ def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
             vars(optimizer).pop(name, None)
         return
     dtype = get_norm_dtype()
-    # id(gradient) -> (its version when measured, its 2-norm): what the check measured for the norm
-    measured: dict[int, tuple[int, Tensor]] = {}
+    # id(gradient) -> (the gradient, weakly: a new tensor may reuse a freed one's id; its version when
+    # measured; its 2-norm): what the check measured, for the norm
+    measured: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+    def known(g: Tensor) -> Tensor | None:
+        """g's 2-norm as this step's check measured it, if g is unchanged since."""
+        ref, version, norm = measured.get(id(g), (None, -1, None))
+        return norm if ref is not None and ref() is g and version == g._version else None
 
     def norms(grads: list[Tensor]) -> list[Tensor]:
         """Each gradient's 2-norm in `dtype`, measured now unless the check of this step already did."""
-        known = [measured.get(id(g), (-1, None)) for g in grads]
-        missing = [g for g, (version, _) in zip(grads, known, strict=True) if version != g._version]
-        fresh = iter(torch._foreach_norm([g.data for g in missing], 2, dtype=dtype) if missing else ())
-        return [norm if version == g._version else next(fresh) for g, (version, norm) in zip(grads, known, strict=True)]
+        found = [known(g) for g in grads]
+        missing = [g.data for g, norm in zip(grads, found, strict=True) if norm is None]
+        fresh = iter(torch._foreach_norm(missing, 2, dtype=dtype) if missing else ())
+        return [next(fresh) if norm is None else norm for norm in found]
 
     def has_overflow_partitioned_grads_serial() -> Tensor:
         grads = [g for i in range(len(optimizer.bit16_groups)) for g in optimizer.averaged_gradients[i]]
@@ -249,8 +256,10 @@ def set_gradient_scans(engine: deepspeed.PipelineEngine, fused: bool) -> None:
         if dtype != torch.float64:  # fp32 squares of large gradients could overflow: their inf-norms
             return torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all().logical_not().view(1)
         measured.clear()
-        measured.update({id(g): (g._version, norm) for g, norm in zip(grads, norms(grads), strict=True)})
-        return torch.stack([norm for _, norm in measured.values()]).isfinite().all().logical_not().view(1)
+        measured.update(
+            {id(g): (weakref.ref(g), g._version, norm) for g, norm in zip(grads, norms(grads), strict=True)}
+        )
+        return torch.stack([norm for _, _, norm in measured.values()]).isfinite().all().logical_not().view(1)
 
     def get_grad_norm_direct(gradients: list[Tensor], params: list[nn.Parameter], norm_type: float = 2) -> Tensor:
         if norm_type != 2:

@@ -33,7 +33,6 @@ if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
     STEPS="--warmup 1 --steps 2 --rounds 1"
     PROFILE="--layers 4 --dim 32 --ffn 64 --heads 2"
     TRAIN=(model.encoder_layers=4 model.decoder_layers=4 train.max_steps=2)
-    GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 else
     TESTS=()
     SHAPES=(
@@ -48,9 +47,10 @@ else
     # 4 steps: the engine took about 20 s a step on an H100 without graphs (docs/BENCHMARKS.md); the
     # summary's median leaves out the first two.
     TRAIN=(train.max_steps=4)
-    # every micro-batch one shape (sentences of up to 7 tokens with eos): one graph per layer
-    GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 fi
+# the 500L run's layers replayed from CUDA graphs; every micro-batch one shape (sentences of up to 7
+# tokens with eos): one graph per layer
+GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 
 COMPARE=bf16-weights,torchscale,deepspeed
 if ! python -c 'from tools.torchscale_peer import import_torchscale; import_torchscale()' 2>/dev/null; then

@@ -417,6 +417,16 @@ def compare(results: list[Result]) -> None:
 SUMMARY_SYSTEMS = ("fathom", "bf16-weights", "torchscale", "deepspeed")  # gpu_check.sh's bench columns
 
 
+def host(profile: dict[str, Any]) -> str:
+    """A profiled system's host time per layer and micro-batch (a StepProfile as its JSON has it)."""
+    return f"{profile['step_s'] / profile['layer_passes'] * 1e3:.3f} ms"
+
+
+def busy(profile: dict[str, Any]) -> str:
+    """The fraction of a profiled system's step the GPU spent running kernels."""
+    return f"{profile['kernel_s'] / profile['step_s']:.1%}"
+
+
 def gpu_check_summary(out: Path) -> str:
     """scripts/gpu_check.sh's results in `out` as one markdown table: each bench shape's tokens/s and MFU
     (of the matmul peak) per system, the profile's host ms per layer and micro-batch and GPU-busy
@@ -454,8 +464,6 @@ def gpu_check_summary(out: Path) -> str:
         by_system = {r["system"]: r for r in profiles if r["depth"] == depth}
         plain, engine = by_system["plain"], by_system["engine"]
         name = f"profile {depth}L-{depth}L"
-        host = [f"{r['step_s'] / r['layer_passes'] * 1e3:.3f} ms" for r in (plain, engine)]
-        busy = [f"{r['kernel_s'] / r['step_s']:.1%}" for r in (plain, engine)]
 
         vs_plain = {system: f"x{r['step_s'] / plain['step_s']:.2f}" for system, r in by_system.items()}
         others = {"engine-deepspeed": "DeepSpeed's settings", "plain-checkpointed": "plain checkpointed"}
@@ -464,10 +472,9 @@ def gpu_check_summary(out: Path) -> str:
             ratio += f" ({'; '.join(aside)})"
         for system, what in (("engine-compiled", "compiled"), ("engine-graphed", "CUDA graphs")):
             if r := by_system.get(system):
-                per_layer = r["step_s"] / r["layer_passes"] * 1e3
-                ratio += f"; {what} {vs_plain[system]}, {per_layer:.3f} ms, GPU busy {r['kernel_s'] / r['step_s']:.1%}"
-        rows += [[f"{name}: host / layer / micro-batch", host[0], "", "", host[1], ratio]]
-        rows += [[f"{name}: GPU busy", busy[0], "", "", busy[1], ""]]
+                ratio += f"; {what} {vs_plain[system]}, {host(r)}, GPU busy {busy(r)}"
+        rows += [[f"{name}: host / layer / micro-batch", host(plain), "", "", host(engine), ratio]]
+        rows += [[f"{name}: GPU busy", busy(plain), "", "", busy(engine), ""]]
     if not profile.exists():
         rows.append(["profile", status("profile"), "", "", "", ""])
     run_dir = out / "run500"

@@ -41,6 +41,7 @@ from pipeline.deepspeed_internals import (
     checkpoint_engine,
     linear_duplicate_check,
     set_gradient_scans,
+    set_self_reduction,
 )
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
@@ -112,13 +113,9 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
             model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=engine_config(cfg.deepspeed),
         )
-    if engine.grid.get_data_parallel_world_size() == 1 and engine.zero_optimization_stage() == 0:
-        # Nothing to average, yet DeepSpeed would copy every gradient into one flat buffer, all-reduce
-        # it with itself and copy it back, every step (ZeRO-1 needs its reduce step: it builds the
-        # gradient partition there).
-        engine.pipeline_enable_backward_allreduce = False
     backward_in_one_call(engine)
     set_gradient_scans(engine, fused=True)
+    set_self_reduction(engine, skipped=True)
     saving.install(engine)
     return engine
 

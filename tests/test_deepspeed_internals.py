@@ -25,6 +25,7 @@ from pipeline.deepspeed_internals import (
     clear_pipe_buffers,
     loss_scale,
     replace_model_step,
+    set_self_reduction,
     stage_bounds,
     stage_layers,
     stage_range,
@@ -149,6 +150,9 @@ def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
         return run
 
     names = wrap_instructions(engine, timed)
+    optimizer, reductions = engine.optimizer, []
+    allreduce_bucket = optimizer.allreduce_bucket  # not monkeypatch: passes_over_gradients undoes that
+    optimizer.allreduce_bucket = lambda *args, **kwargs: reductions.append(1) or allreduce_bucket(*args, **kwargs)
     batch = synthetic_batch(20, batch=2, src_len=5, tgt_len=5)
     before = [p.detach().clone() for p in engine.module.parameters()]
     engine.train_batch(data_iter=itertools.repeat(batch))
@@ -166,6 +170,10 @@ def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
     assert [scan[:2] for scan in scans] == [(False, False), (True, True), (True, True), (True, True)]
     assert scans[0][2] == scans[0][3] > 0 and all(scan[2] == scan[3] == -1 for scan in scans[1:])  # -1: not finite
     assert passes == [1]  # the norm reuses what the check measured
+    assert reductions == []  # one replica: no all-reduce of the gradients with themselves (set_self_reduction)
+    set_self_reduction(engine, skipped=False)
+    engine.train_batch(data_iter=itertools.repeat(batch))
+    assert reductions == [1]  # DeepSpeed's own, which the skip replaces
     clear_pipe_buffers(engine)
     assert engine.loss is None
 

@@ -62,7 +62,7 @@ from model.norms import build_scheme
 from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
 from pipeline.cuda_graphs import graph_layers
-from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans
+from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.safety.divergence import StabilityGuard
 from tools.training_speed import (
@@ -161,9 +161,11 @@ def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
 
 def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:
     """DeepSpeed's own code where build_engine and DropoutMasks install fathom's: its checkpoint function
-    (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects) and ZeRO's gradient scans."""
+    (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects), ZeRO's gradient scans and its
+    all-reduce on one replica."""
     set_checkpoint_function(engine.module, non_reentrant_checkpoint)
     set_gradient_scans(engine, fused=False)
+    set_self_reduction(engine, skipped=False)
 
 
 @contextlib.contextmanager

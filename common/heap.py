@@ -3,9 +3,9 @@
 A training step and a beam-search position both free and allocate the same large blocks again and
 again. Handed back and mapped afresh each time, every page of them faults in anew: beam search ran
 1.5-1.8x slower (the Multi30k model inside a training run), and a training step of 6L-6L d 512
-1.2x slower in fp32 and 1.5x in bf16 (docs/BENCHMARKS.md). Kept in the heap, they cost a higher peak
-instead (1.2-1.5x the resident memory). Training chooses with `train.cpu_heap`; decoding always keeps
-them. GPU memory is CUDA's and unaffected.
+1.2x slower in fp32 and 1.5x in bf16 (docs/BENCHMARKS.md), ZeRO-1's flat buffers included. Kept in
+the heap, they cost a higher peak instead (1.1-1.5x the resident memory). Training chooses with
+`train.cpu_heap`; decoding always keeps them. GPU memory is CUDA's and unaffected.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 RETURNED_BLOCKS = 128 * 1024  # bytes: "return" hands freed blocks larger than this back to the system
-KEPT_BLOCKS = 64 * 1024 * 1024  # "keep" (and decoding): blocks up to this size stay in the heap
-KEPT_TRIM = 1024 * 1024 * 1024  # and free memory at the heap's top up to this much
+# "keep" (and decoding): freed blocks up to this size stay in the heap, and so does free memory at the
+# heap's top up to this much: mallopt's largest value, so ZeRO's flat gradient and fp32 buffers (190 MB
+# at 6L-6L d 512) are reused rather than mapped afresh every step
+KEPT_BLOCKS = KEPT_TRIM = 2**31 - 1
 
 
 def _set(mmap_threshold: int, trim_threshold: int) -> None:
@@ -41,7 +43,7 @@ def return_freed_tensors() -> None:
 
 
 def keep_freed_blocks() -> None:
-    """Freed blocks up to 64 MiB stay in the heap for the next step's (or position's) tensors."""
+    """Freed blocks (up to 2 GiB) stay in the heap for the next step's (or position's) tensors."""
     _set(KEPT_BLOCKS, KEPT_TRIM)
 
 

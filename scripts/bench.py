@@ -31,8 +31,10 @@ import torch
 
 from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from common.files import check_writable_file, write_atomic
+from common.heap import set_training_heap
 from model.model_config import NUM_SPECIAL, ModelConfig
 from pipeline.config.deepspeed_values import native_bf16_cpu
+from pipeline.config.run_config import TrainConfig
 from pipeline.launched import run_launched
 from tools import step_profile
 from tools.stage_balance import StageTime, stage_times
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its config dump would bury the table
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # every system with the heap scripts/train.py trains with by default
+        set_training_heap(TrainConfig.cpu_heap)
     threads = torch.get_num_threads()
     print(header(args.device, threads), flush=True)
     if args.stage_times:

@@ -26,8 +26,15 @@ if [[ -z "$PY310" ]]; then
   exit 2
 fi
 
-rm -rf "$ENV_DIR"
 mkdir -p "$(dirname "$ENV_DIR")"
+# One build at a time: parallel test workers (make test runs pytest -n 2) may ask for it together.
+exec 9>"$ENV_DIR.lock"
+flock 9
+if [[ -f "$ENV_DIR/.complete" ]]; then
+  echo "$ENV_DIR"
+  exit 0
+fi
+rm -rf "$ENV_DIR"
 "$PY310" -m venv "$ENV_DIR"
 PIP=("$ENV_DIR/bin/python" -m pip --quiet --disable-pip-version-check)
 "${PIP[@]}" install torch==1.12.1 "numpy<2" cython wheel "setuptools<70"

@@ -3,6 +3,7 @@ and do what fathom relies on, on a real one-stage ZeRO-1 engine; another DeepSpe
 one line; setup.cfg pins the supported one."""
 
 import contextlib
+import functools
 import io
 import itertools
 import math
@@ -108,15 +109,19 @@ def passes_over_gradients(optimizer, monkeypatch) -> int:
     return len(calls)
 
 
+SMALL_MODEL = functools.partial(ModelConfig, encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32,
+                                attention_heads=2, src_vocab_size=20, tgt_vocab_size=20)  # fmt: skip
+# one stage, ZeRO-1, fp32, a step of one micro-batch of 2 pairs
+ONE_STAGE = {
+    "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    "zero_optimization": {"stage": 1}, "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},
+}  # fmt: skip
+
+
 @pytest.mark.slow
 def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
-    cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
-                      src_vocab_size=20, tgt_vocab_size=20, norm_scheme="pre_ln")  # fmt: skip
-    ds = {
-        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 1}, "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},
-    }  # fmt: skip
+    cfg, ds = SMALL_MODEL(norm_scheme="pre_ln"), ONE_STAGE
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list
         engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
     layers = len(layer_specs(cfg))
@@ -222,3 +227,34 @@ def test_backward_calls_that_retain_the_graph_run_as_one():
         e.backward(gradients[1])
     assert len(runs) == 1
     torch.testing.assert_close(x.grad, expected)
+
+
+@pytest.mark.slow  # builds and trains DeepSpeed's engine
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_the_guard_and_zeros_scans_read_each_gradient_once_a_step(process_group, monkeypatch, poisoned):
+    """bf16 with clipping, as scripts/train.py runs it: fathom's stability guard, ZeRO's check for
+    non-finite gradients and its gradient norm take their norms from one multi-tensor pass over the
+    gradients (GradientNorms); a gradient the guard sees go non-finite is measured anew, so the step
+    is still skipped."""
+    from pipeline.safety.divergence import StabilityGuard
+    from tools.training_speed import built_engine
+
+    cfg = SMALL_MODEL(norm_scheme="deepnorm")
+    ds = {**ONE_STAGE, "bf16": {"enabled": True}, "gradient_clipping": 1.0}
+    with built_engine(cfg, ds, "cpu") as engine:
+        guard = StabilityGuard(engine, cfg)
+        if poisoned:  # the guard finds the loss non-finite: it fills the (finite) gradients with NaN
+            summary = guard._local_summary
+            guard._local_summary = lambda grads: summary(grads).index_fill_(0, torch.tensor([0]), 1.0)
+        passes = []
+        foreach_norm = torch._foreach_norm
+        monkeypatch.setattr(
+            torch,
+            "_foreach_norm",
+            lambda tensors, *args, **kwargs: passes.append(len(tensors)) or foreach_norm(tensors, *args, **kwargs),
+        )
+        engine.train_batch(data_iter=itertools.repeat(synthetic_batch(20, batch=2, src_len=5, tgt_len=5)))
+        monkeypatch.undo()
+        tensors = sum(1 for p in engine.module.parameters() if p.requires_grad)
+        assert guard.skipped == poisoned
+        assert passes == ([tensors, tensors] if poisoned else [tensors])

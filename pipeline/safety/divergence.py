@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from model.model_config import ModelConfig
 from model.parts import module_names, saved_names
 from pipeline.deepspeed_internals import (
+    gradient_norms,
     loss_scale,
     replace_model_step,
     replace_stage_call,
@@ -187,7 +188,9 @@ class StabilityGuard:
         shares = [(i, owned_share(self.params[i], grad, dp_rank)) for i, grad in grads]
         shares = [(i, share) for i, share in shares if share is not None]
         if shares:
-            norms = torch.stack(torch._foreach_norm([share for _, share in shares], 2, dtype=torch.float32))
+            # ZeRO's check and gradient norm read the same gradients next: measured once for all three
+            measure = gradient_norms(engine) or partial(torch._foreach_norm, ord=2, dtype=torch.float32)
+            norms = torch.stack(measure([share for _, share in shares]))
             where = torch.tensor([1 + layers + self.owners[i] for i, _ in shares], device=engine.device)
             summary.index_add_(0, where, norms.double() ** 2)
         return summary

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import pairwise
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
+from common.files import write_atomic
 from common.run_layout import PROFILE_FILE
 from model.model_config import ModelConfig
 from model.norms import AdminResidual
@@ -123,10 +123,7 @@ def profile(
 
 def save_profile(path: str | Path, variances: Variances, omegas: dict[str, float]) -> None:
     """Written whole or not at all: a crash mid-write leaves no half profile to reuse."""
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"variances": variances, "omegas": omegas}, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(Path(path), json.dumps({"variances": variances, "omegas": omegas}, indent=1) + "\n")
 
 
 def load_profile(path: str | Path, cfg: ModelConfig) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Translate a prepared split with a pipeline checkpoint and score it with sacreBLEU.
 
     python scripts/generate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --subset test \\
-        [--beam 4] [--lenpen 0.6] [--batch-size 64] [--output FILE]
+        [--beam 4] [--lenpen 1.0] [--batch-size 64] [--output FILE]
 
 The checkpoint (any depth, any stage count) loads into the single-process model; hypotheses are
 detokenized with the data's SentencePiece model and scored against the split's raw references

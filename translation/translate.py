@@ -1,7 +1,7 @@
 """Translate raw text with a trained run: SentencePiece in, beam search, SentencePiece out.
 
     python scripts/translate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR [--input FILE] [--output FILE] \\
-        [--beam 4] [--lenpen 0.6] [--max-len-a 1.2] [--max-len-b 10] [--batch-size 64] [--reference FILE]
+        [--beam 4] [--lenpen 1.0] [--max-len-a 1.2] [--max-len-b 10] [--batch-size 64] [--reference FILE]
 
 One sentence a line, from --input or stdin, to --output or stdout, in input order. The checkpoint
 (any depth, any stage count) loads into the single-process model on the GPU if there is one

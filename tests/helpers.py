@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from common.ports import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
+from common.repo import ROOT
 
 
 def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:

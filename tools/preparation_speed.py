@@ -40,14 +40,15 @@ import psutil
 
 from common.errors import ConfigError, exit_on_config_error
 from common.files import check_makeable, check_writable_file
+from common.repo import ROOT
 from common.run_layout import META_FILE
 from corpus.prepare import SPM_SAMPLE
 from corpus.subwords import TRAINING_THREADS
 from corpus.text import read_lines
 from tools.standin_corpus import MULTI30K, write_standin
+from tools.tables import markdown_table
 from tools.translation_speed import FAIRSEQ_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("fathom", "fairseq")
 SRC, TGT = "de", "en"
 SEED = 0  # of the stand-in corpus
@@ -440,20 +441,18 @@ def mib(value: int | None) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| system | stage | seconds | pairs/s | peak RSS (tree) | peak PSS (tree) |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    rows = []
     for name, r in results["systems"].items():
-        rows = list(r["stages"].items())
-        if len(rows) > 1:
-            rows.append(("**total**", r))
-        for stage, s in rows:
-            lines.append(
-                f"| {name} | {stage} | {s['seconds']:.1f} | {s['pairs_per_second']:,.0f} | "
-                f"{mib(s['peak_rss_bytes'])} | {mib(s['peak_pss_bytes'])} |"
-            )
-    return "\n".join(lines)
+        stages = list(r["stages"].items())
+        if len(stages) > 1:
+            stages.append(("**total**", r))
+        rows += [
+            (name, stage, f"{s['seconds']:.1f}", f"{s['pairs_per_second']:,.0f}", mib(s["peak_rss_bytes"]),
+             mib(s["peak_pss_bytes"]))
+            for stage, s in stages
+        ]  # fmt: skip
+    header = ("system", "stage", "seconds", "pairs/s", "peak RSS (tree)", "peak PSS (tree)")
+    return markdown_table(header, rows, right=range(2, 6))
 
 
 def summary(results: dict) -> list[str]:

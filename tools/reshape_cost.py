@@ -18,11 +18,12 @@ import shutil
 from pathlib import Path
 
 from common.errors import check_number, exit_on_config_error
+from common.repo import ROOT
 from common.run_layout import latest_tag
 from pipeline.checkpoint.reshape import converter_command, universal_tag
 from tools.preparation_speed import Measured, cpu, mib, run_sampled
+from tools.tables import markdown_table
 
-ROOT = Path(__file__).resolve().parent.parent
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")
 
 
@@ -95,17 +96,16 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(results: dict) -> str:
-    header = ("| reshape | conversion alone | its peak RSS (tree) | checkpoint / universal form | whole resume launch "
-              "(convert, load, 1 step, save) | its peak RSS (tree) |")  # fmt: skip
-    rows = [header, "| --- | --- | --- | --- | --- | --- |"]
-    for key in ("2_to_1", "1_to_2"):
-        r = results[key]
-        rows.append(
-            f"| {r['reshape']} | {r['conversion_alone_s']:.1f} s | {mib(r['conversion_peak_rss'])} | "
-            f"{mib(r['checkpoint_bytes'])} / {mib(r['universal_bytes'])} | {r['resume_launch_s']:.1f} s "
-            f"(conversion {r['conversion_in_run_s']:.1f} s) | {mib(r['resume_launch_peak_rss'])} |"
-        )
-    return "\n".join(rows)
+    header = ("reshape", "conversion alone", "its peak RSS (tree)", "checkpoint / universal form",
+              "whole resume launch (convert, load, 1 step, save)", "its peak RSS (tree)")  # fmt: skip
+    rows = [
+        (r["reshape"], f"{r['conversion_alone_s']:.1f} s", mib(r["conversion_peak_rss"]),
+         f"{mib(r['checkpoint_bytes'])} / {mib(r['universal_bytes'])}",
+         f"{r['resume_launch_s']:.1f} s (conversion {r['conversion_in_run_s']:.1f} s)",
+         mib(r["resume_launch_peak_rss"]))
+        for r in (results[key] for key in ("2_to_1", "1_to_2"))
+    ]  # fmt: skip
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

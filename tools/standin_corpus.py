@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.repo import ROOT
 from corpus.text import read_lines
 
-MULTI30K = Path(__file__).resolve().parent.parent / "data" / "multi30k"
+MULTI30K = ROOT / "data" / "multi30k"
 CHUNK = 100_000  # pairs written at a time
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
+from common.repo import ROOT
 from common.run_layout import META_FILE, METRICS_FILE, latest_tag
 from common.sections import parse_section
 from corpus.dataset import read_meta
@@ -28,7 +29,6 @@ from model.search import SearchConfig
 from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
-ROOT = Path(__file__).resolve().parents[1]
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended, then again with its evaluation
 TRAINING = ("exit", "seconds", "data")  # what cell.json keeps of the training; the rest is the evaluation's

@@ -39,6 +39,7 @@ from pipeline.launched import run_launched
 from tools import step_profile
 from tools.stage_balance import StageTime, stage_times
 from tools.step_profile import ProfileBench, StepProfile
+from tools.tables import aligned
 from tools.training_speed import (
     PEERS,
     PRECISIONS,
@@ -225,11 +226,6 @@ def table(results: list[Result]) -> str:
         for r in results
     ]
     return aligned(rows)
-
-
-def aligned(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
 PROFILE_COLUMNS = (

@@ -53,6 +53,7 @@ from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import clear_pipe_buffers
 from pipeline.launched import release_shm_buffer
 from pipeline.train import build_engine
+from tools.tables import markdown_table
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
@@ -494,4 +495,4 @@ def gpu_check_summary(out: Path) -> str:
     test_log = out / "test_gpu.txt"
     last = test_log.read_text().strip().splitlines()[-1:] if test_log.exists() else []
     rows.append(["tests/test_gpu.py", "", "", "", " ".join(filter(None, (*last, status("test_gpu")))), ""])
-    return "\n".join("| " + " | ".join(row) + " |" for row in [rows[0], ["---"] * len(rows[0]), *rows[1:]])
+    return markdown_table(rows[0], rows[1:])

@@ -41,6 +41,7 @@ from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.reference_search import full_recompute_search
+from tools.tables import markdown_row, markdown_rule, markdown_table
 from translation.translate import Translator, add_model_args, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")
@@ -165,15 +166,13 @@ def run(args: argparse.Namespace) -> dict:
 def table(results: dict) -> str:
     systems = results["systems"]
     base = systems.get("incremental", next(iter(systems.values())))["median_seconds"]
-    lines = ["| system | seconds (median) | sentences/s | incremental is faster by | same hypotheses as incremental |"]
-    lines.append("| --- | --- | --- | --- | --- |")
+    rows = []
     for name, r in systems.items():
         same = "" if r["same_as_incremental"] is None else f"{r['same_as_incremental']} / {results['sentences']}"
         speed = results["sentences"] / r["median_seconds"]
-        lines.append(
-            f"| {name} | {r['median_seconds']:.1f} | {speed:.1f} | {r['median_seconds'] / base:.2f}x | {same} |"
-        )
-    return "\n".join(lines)
+        rows.append((name, f"{r['median_seconds']:.1f}", f"{speed:.1f}", f"{r['median_seconds'] / base:.2f}x", same))
+    header = ("system", "seconds (median)", "sentences/s", "incremental is faster by", "same hypotheses as incremental")
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,8 +244,9 @@ def depth_main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, 15), generator=generator)
     src[:, -1] = 2  # eos
-    print("| decoder layers | " + " | ".join(f"{s} seconds" for s in systems) + " | incremental seconds per layer |")
-    print("| --- " * (len(systems) + 2) + "|")
+    header = ["decoder layers", *(f"{s} seconds" for s in systems), "incremental seconds per layer"]
+    print(markdown_row(header))
+    print(markdown_rule(len(header)))
     for depth in args.depths:
         torch.manual_seed(0)
         cfg = ModelConfig(
@@ -260,6 +260,5 @@ def depth_main(argv: list[str] | None = None) -> None:
             found = searches[name](model, src, beam=args.beam, max_len_a=0, max_len_b=args.length, min_len=args.length)
             times[name] = time.perf_counter() - tick
             assert all(len(h.tokens) == args.length for h in found)
-        cells = " | ".join(f"{times[s]:.1f}" for s in systems)
         per_layer = f"{times['incremental'] / depth:.3f}" if "incremental" in times else ""
-        print(f"| {depth} | {cells} | {per_layer} |", flush=True)
+        print(markdown_row([depth, *(f"{times[s]:.1f}" for s in systems), per_layer]), flush=True)

@@ -36,22 +36,15 @@ from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
 from pipeline.config.run_config import RunConfig
 from pipeline.cuda_graphs import graph_layers
-from pipeline.deepspeed_internals import (
-    backward_in_one_call,
-    checkpoint_engine,
-    linear_duplicate_check,
-    set_gradient_scans,
-    set_self_reduction,
-)
-from pipeline.dropout_masks import DropoutMasks
+from pipeline.deepspeed_internals import checkpoint_engine, linear_duplicate_check
+from pipeline.engine_patches import patch_engine, patch_training
 from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
 from pipeline.partition import CostBalancedPipeline
 from pipeline.preflight import check_run
-from pipeline.safety.divergence import NonFiniteError, StabilityGuard, exit_on_nonfinite
+from pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
 from pipeline.safety.memory import current_bytes, report_peaks
 from pipeline.safety.metrics import MetricsLog
 from pipeline.safety.signals import stop_on_signals
-from pipeline.safety.time_breakdown import TimeBreakdown
 from pipeline.safety.watchdog import Watchdog
 from pipeline.specs import layer_specs
 from pipeline.validation import Best, Validation, validation_line
@@ -113,10 +106,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
             model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=engine_config(cfg.deepspeed),
         )
-    backward_in_one_call(engine)
-    set_gradient_scans(engine, fused=True)
-    set_self_reduction(engine, skipped=True)
-    saving.install(engine)
+    patch_engine(engine)
     return engine
 
 
@@ -273,7 +263,6 @@ def run(
         data_parallel_size=position.replicas,
     )
     order, per_epoch = data_order(cfg, corpus), data.per_epoch
-    masks = DropoutMasks(engine, cfg.train.seed, position)
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
     best = Best(cfg.train.best_metric, save_dir)
     if rank == 0 and best.tag is not None:
@@ -287,8 +276,11 @@ def run(
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
-    guard = StabilityGuard(engine, cfg.model, interval, grad_norms.write)
-    breakdown = TimeBreakdown(engine, save_dir, engine.global_steps) if cfg.train.time_breakdown else None
+    patches = patch_training(
+        engine, cfg.model, cfg.train.seed, position, interval, grad_norms.write,
+        save_dir if cfg.train.time_breakdown else None,
+    )  # fmt: skip
+    masks, guard, breakdown = patches.masks, patches.guard, patches.breakdown
     started, first_step = time.perf_counter(), engine.global_steps
     if first_step >= cfg.train.max_steps and rank == 0:
         print(

@@ -145,15 +145,16 @@ def without_matplotlib(tmp_path: Path) -> dict[str, str]:
 def trained_in_process(cfg, ds: dict, prepare=None, steps: int = 3) -> tuple[list[float], list]:
     """Losses and final weights of `steps` steps of a one-stage engine of `cfg` built in this process
     (the process_group fixture), two micro-batches of different lengths a step, with fathom's dropout
-    reseeding, as scripts/train.py runs it; `prepare(engine)` changes the engine before it trains."""
+    reseeding and stability guard (patch_training), as scripts/train.py runs it; `prepare(engine)` changes
+    the engine before it trains."""
     import itertools
 
     from corpus.batches import DataPosition
-    from pipeline.dropout_masks import DropoutMasks
+    from pipeline.engine_patches import patch_training
     from tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
 
     with built_engine(cfg, ds, "cpu") as engine:
-        masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, 2, 1))
+        masks = patch_training(engine, cfg, seed=1, position=DataPosition(0, 0, 2, 1)).masks
         if prepare:
             prepare(engine)
         batches = itertools.cycle([synthetic_batch(20, 2, 5, 4), synthetic_batch(20, 2, 7, 6)])

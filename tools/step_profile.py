@@ -63,8 +63,7 @@ from model.transformer import Transformer
 from pipeline.config.deepspeed_values import check_deepspeed
 from pipeline.cuda_graphs import graph_layers
 from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
-from pipeline.dropout_masks import DropoutMasks
-from pipeline.safety.divergence import StabilityGuard
+from pipeline.engine_patches import patch_training
 from tools.training_speed import (
     ADAMW,
     Step,
@@ -177,8 +176,8 @@ def engine_step(
     (train.cuda_graphs)."""
     ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
     with built_engine(bench.model, ds, bench.device) as engine:
-        masks = DropoutMasks(engine, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1))
-        StabilityGuard(engine, bench.model)  # its per-layer output checks and its check before the update
+        # the dropout masks, the stability guard's per-layer output checks and its check before the update
+        masks = patch_training(engine, bench.model, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1)).masks
         if deepspeeds:
             use_deepspeeds_own(engine)
         if compiled:

@@ -42,11 +42,11 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import check_makeable, check_writable_file
 from common.repo import ROOT
 from common.run_layout import META_FILE
+from common.tables import markdown_table
 from corpus.prepare import SPM_SAMPLE
 from corpus.subwords import TRAINING_THREADS
 from corpus.text import read_lines
 from tools.standin_corpus import MULTI30K, write_standin
-from tools.tables import markdown_table
 from tools.translation_speed import FAIRSEQ_ENV
 
 SYSTEMS = ("fathom", "fairseq")

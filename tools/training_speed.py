@@ -42,6 +42,7 @@ from torch import nn
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
 from common.ports import free_port
+from common.tables import markdown_table
 from corpus.batches import MicroBatch, collate
 from model.layers import compile_layers, compiler_missing
 from model.loss import label_smoothed_cross_entropy
@@ -53,7 +54,6 @@ from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import clear_pipe_buffers
 from pipeline.launched import release_shm_buffer
 from pipeline.train import build_engine
-from tools.tables import markdown_table
 from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in

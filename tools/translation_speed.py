@@ -37,11 +37,11 @@ import torch
 from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from common.files import check_writable_file
 from common.heap import decoding_env, keep_freed_blocks
+from common.tables import markdown_row, markdown_rule, markdown_table
 from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.reference_search import full_recompute_search
-from tools.tables import markdown_row, markdown_rule, markdown_table
 from translation.translate import Translator, add_model_args, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")

@@ -26,6 +26,8 @@ from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from torch import Tensor, nn
 
+from pipeline.config.deepspeed_values import gradients_all_reduced
+
 SUPPORTED_VERSION = "0.19.8"
 
 
@@ -317,7 +319,7 @@ def set_self_reduction(engine: deepspeed.PipelineEngine, skipped: bool) -> None:
     from the gradients themselves. Not skipped: DeepSpeed's own. ZeRO-1 with gradients accumulated in
     fp32 under bf16 weights reduces into a buffer of its own and is left as it is."""
     optimizer = engine.optimizer
-    one_replica = engine.grid.get_data_parallel_world_size() == 1
+    one_replica = not gradients_all_reduced(engine.grid.get_data_parallel_world_size())
     if engine.zero_optimization_stage() == 0:
         engine.pipeline_enable_backward_allreduce = not (skipped and one_replica)
     elif hasattr(optimizer, "buffered_reduce_fallback"):

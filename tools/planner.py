@@ -27,7 +27,7 @@ from pathlib import Path
 
 from common.errors import ConfigError, check_counts, exit_on_config_error
 from common.run_layout import MEMORY_FILE
-from pipeline.config.deepspeed_values import accumulation
+from pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
 from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.partition import stage_bounds
 from pipeline.safety.memory import GiB, MeasuredPeak
@@ -49,7 +49,7 @@ class StateBytes:
     gradients: int  # param.grad
     replicated: int  # further optimizer state every data-parallel rank holds in full
     sharded: int  # optimizer state ZeRO-1 splits over the data-parallel ranks
-    flatten: int  # transient: gradients flattened for the all-reduce (ZeRO-1: even with one replica)
+    flatten: int  # transient: gradients flattened for the all-reduce across replicas
     step: int  # transient, sharded: temporaries of Adam's update of the flat fp32 partition
 
 
@@ -91,7 +91,7 @@ class StageEstimate:
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
-    per_param = STATE_BYTES[precision(cfg), cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)]
+    per_param = STATE_BYTES[precision(cfg), zero_optimization_stage(cfg.deepspeed)]
     params = cfg.deepspeed.get("optimizer", {}).get("params", {})
     if params.get("torch_adam") and params.get("fused"):
         # torch's fused AdamW updates in place: of the step's temporaries only the flat fp32 gradients remain
@@ -112,8 +112,7 @@ def estimate_stages(
     per_param = state_bytes(cfg)
     interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
     micro_batches = accumulation(cfg.deepspeed, data_parallel)
-    zero = cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
-    flatten = per_param.flatten if zero or data_parallel > 1 else 0  # pipeline/train.py's build_engine
+    flatten = per_param.flatten if gradients_all_reduced(data_parallel) else 0
     estimates = []
     for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
         mine = layers[start:stop]
@@ -238,7 +237,7 @@ def _gib(value: float) -> str:
 def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShape, data_parallel: int) -> str:
     per_param = state_bytes(cfg)
     lines = [
-        f"{precision(cfg)}, ZeRO stage {cfg.deepspeed.get('zero_optimization', {}).get('stage', 0)}, "
+        f"{precision(cfg)}, ZeRO stage {zero_optimization_stage(cfg.deepspeed)}, "
         f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
         f"tokens, {accumulation(cfg.deepspeed, data_parallel)} per step, activation checkpoint interval "
         f"{cfg.deepspeed['pipeline'].get('activation_checkpoint_interval', 0)}",

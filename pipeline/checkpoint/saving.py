@@ -51,7 +51,7 @@ from corpus.dataset import PreparedData, check_vocab
 from model.trained import check_same_model, model_config
 from pipeline.checkpoint.data_position import resume_position, saved_position
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
-from pipeline.config.deepspeed_values import precision
+from pipeline.config.deepspeed_values import precision, zero_optimization_stage
 from pipeline.config.history import flat, read_back, shown
 from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
@@ -302,8 +302,8 @@ def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
     """What decides the form of the optimizer state a checkpoint holds, by config key."""
     optimizer = ds.get("optimizer", {})
     params = {f"optimizer.params.{k}": v for k, v in optimizer.get("params", {}).items() if k not in HYPERPARAMETERS}
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    return {"zero_optimization.stage": stage, "optimizer.type": str(optimizer.get("type", "")).lower(), **params}
+    optimizer_type = str(optimizer.get("type", "")).lower()
+    return {"zero_optimization.stage": zero_optimization_stage(ds), "optimizer.type": optimizer_type, **params}
 
 
 def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any], state: dict[str, Any]) -> None:

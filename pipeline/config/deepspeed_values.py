@@ -68,8 +68,7 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
             "a stage boundary; set it false (the default here)"
         )
-    zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if zero_stage not in (0, 1):
+    if (zero_stage := zero_optimization_stage(ds)) not in (0, 1):
         raise ConfigError(
             f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
         )
@@ -102,24 +101,24 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             f"train_batch_size: {total} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
             f"{data_parallel} data-parallel ranks"
         )
-    for precision in ("fp16", "bf16"):
-        if not isinstance(ds.get(precision, {}), dict):
-            raise ConfigError(f'{precision}: expected an object like {{"enabled": true}}')
+    for section in ("fp16", "bf16"):
+        if not isinstance(ds.get(section, {}), dict):
+            raise ConfigError(f'{section}: expected an object like {{"enabled": true}}')
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise ConfigError("fp16 and bf16 are both enabled; enable at most one")
     # DeepSpeed 0.19.8's engine.backward scales the loss only for ZeRO optimizers, while the fp16 optimizer
     # without ZeRO divides every gradient by the loss scale (deepspeedai/DeepSpeed#8393): updates come out
     # scale times too small and overflows go unseen. Seen on an H200: 2^24 and 2^28 gave the same losses.
-    if ds.get("fp16", {}).get("enabled") and zero_stage == 0:
+    if precision(ds) == "fp16" and zero_stage == 0:
         raise ConfigError(
             "fp16.enabled: DeepSpeed never scales the loss for fp16 without ZeRO; set zero_optimization.stage to 1"
         )
-    if ds.get("fp16", {}).get("enabled") and not torch.cuda.is_available():
+    if precision(ds) == "fp16" and not torch.cuda.is_available():
         raise ConfigError("fp16.enabled: fp16 training needs a GPU; on CPU use bf16 or fp32")
     # DeepSpeed 0.19.8 saves this mode's optimizer state (BF16_Optimizer, which still shards its fp32
     # master weights over data-parallel ranks) from data-parallel rank 0 only, as one dict, then its own
     # load_state_dict indexes it as a per-rank list: such a run trains but can never resume (KeyError 0).
-    if ds.get("bf16", {}).get("enabled") and zero_stage == 0:
+    if precision(ds) == "bf16" and zero_stage == 0:
         raise ConfigError(
             "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1"
         )
@@ -140,9 +139,20 @@ def precision(ds: dict[str, Any]) -> str:
     return next((name for name in ("bf16", "fp16") if ds.get(name, {}).get("enabled")), "fp32")
 
 
+def zero_optimization_stage(ds: dict[str, Any]) -> int:
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
+def gradients_all_reduced(data_parallel: int) -> bool:
+    """Whether a step flattens the gradients and all-reduces them: only across data-parallel replicas. On
+    one, at ZeRO-0 and ZeRO-1 alike, fathom skips DeepSpeed's all-reduce of the gradients with themselves
+    (pipeline/deepspeed_internals.py's set_self_reduction)."""
+    return data_parallel > 1
+
+
 def precision_warning(ds: dict[str, Any]) -> str | None:
     """A line for the start of a run whose precision will crawl on this machine, else None."""
-    if ds.get("bf16", {}).get("enabled") and not torch.cuda.is_available() and not native_bf16_cpu():
+    if precision(ds) == "bf16" and not torch.cuda.is_available() and not native_bf16_cpu():
         return (
             "bf16.enabled on a CPU without avx512_bf16 or amx_bf16: torch emulates bf16 matrix products here, "
             "about 50x slower than fp32; train in fp32 (bf16.enabled=false) on this machine"
@@ -164,7 +174,7 @@ def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
     """
     config = copy.deepcopy(ds)
     zero = config.setdefault("zero_optimization", {})
-    if zero.get("stage", 0) == 1 and not zero.get("overlap_comm"):
+    if zero_optimization_stage(config) == 1 and not zero.get("overlap_comm"):
         zero.setdefault("contiguous_gradients", False)
     config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     return config

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sentencepiece as spm
 import torch
 
 from common.errors import ConfigError
@@ -177,6 +178,11 @@ class PreparedData:
         if self.checksums and file_record(path) != expected:
             raise ConfigError(f"{path}: fails its checksum; the file is damaged or from other data: {RERUN}")
         return path
+
+    def target_text(self, ids: Iterable[int], detokenizer: spm.SentencePieceProcessor) -> str:
+        """Target token ids as the raw text sacreBLEU scores: the dictionary's pieces, with `detokenizer`
+        (the target language's SentencePiece model) removing SentencePiece."""
+        return detokenizer.decode_pieces(self.tgt_dict.decode(ids))
 
     def sentencepiece_model(self, lang: str) -> Path:
         """The SentencePiece model for `lang` (joint or per language)."""

@@ -164,7 +164,7 @@ def bleu_set(corpus: ParallelCorpus, sentences: int) -> BleuSet:
     if isinstance(corpus, BinarizedCorpus):
         pieces = spm.SentencePieceProcessor(model_file=str(corpus.sentencepiece_model(corpus.tgt)))
         references = read_lines(corpus.references())[:count]
-        return BleuSet(sources, references, lambda ids: pieces.decode_pieces(corpus.tgt_dict.decode(ids)))
+        return BleuSet(sources, references, lambda ids: corpus.target_text(ids, pieces))
     references = [" ".join(map(str, corpus.pair(i)[1].tolist())) for i in range(count)]
     return BleuSet(sources, references, lambda ids: " ".join(map(str, ids)))
 

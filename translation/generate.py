@@ -11,17 +11,16 @@ detokenized with the data's SentencePiece model and scored against the split's r
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
-
-from sacrebleu.metrics import BLEU, CHRF
 
 from common.errors import exit_on_config_error
 from common.files import check_writable_file, write_atomic
 from common.heap import keep_freed_blocks
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
-from translation.translate import Translator, add_model_args, search_config
+from translation.translate import Translator, add_model_args, print_scores, search_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,8 +55,5 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error():
         hypotheses, references, seconds = translate(args, output)
         write_atomic(output, "".join(h + "\n" for h in hypotheses))
-    bleu, chrf = BLEU(), CHRF()
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
-    print(bleu.corpus_score(hypotheses, [references]))
-    print(chrf.corpus_score(hypotheses, [references]))
-    print(bleu.get_signature())
+    print_scores(hypotheses, references, file=sys.stdout)

@@ -17,6 +17,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import sentencepiece as spm
 import torch
@@ -115,7 +116,7 @@ class Translator:
         return hypotheses
 
     def detokenize(self, hypothesis: Hypothesis) -> str:
-        return self.detokenizer.decode_pieces(self.data.tgt_dict.decode(hypothesis.tokens))
+        return self.data.target_text(hypothesis.tokens, self.detokenizer)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,12 +176,13 @@ def read_references(path: str, count: int) -> list[str]:
     return references
 
 
-def print_scores(hypotheses: list[str], references: list[str]) -> None:
-    """sacreBLEU's BLEU and chrF (cased, detokenized, 13a) on stderr, the signature last."""
+def print_scores(hypotheses: list[str], references: list[str], file: TextIO | None = None) -> None:
+    """sacreBLEU's BLEU and chrF (cased, detokenized, 13a), the signature last; on stderr by default."""
+    file = file or sys.stderr
     bleu, chrf = BLEU(), CHRF()
     for line in (bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])):
-        print(line, file=sys.stderr)
-    print(bleu.get_signature(), file=sys.stderr)
+        print(line, file=file)
+    print(bleu.get_signature(), file=file)
 
 
 def write_stdout(text: str) -> None:

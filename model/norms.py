@@ -140,6 +140,14 @@ def parse_model(data: Any, where: str = "model") -> ModelConfig:
     return cfg
 
 
+def model_section(cfg: ModelConfig) -> dict[str, Any]:
+    """The `model` section as a config file holds it, what parse_model reads back: ModelConfig's keys, and
+    each scheme's options under the scheme's name."""
+    section = dataclasses.asdict(cfg)
+    section.update(section.pop("schemes"))
+    return section
+
+
 def build_scheme(cfg: ModelConfig) -> NormScheme:
     try:
         scheme = SCHEMES[cfg.norm_scheme]

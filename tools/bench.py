@@ -35,6 +35,7 @@ from common.files import check_writable_file, write_atomic
 from common.heap import set_training_heap
 from common.tables import aligned
 from model.model_config import NUM_SPECIAL, ModelConfig
+from model.norms import model_section
 from pipeline.config.deepspeed_values import native_bf16_cpu
 from pipeline.config.run_config import TrainConfig
 from tools import step_profile
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
         "native_bf16": native_bf16_cpu(),
-        "bench": dataclasses.asdict(bench),
+        "bench": {**dataclasses.asdict(bench), "model": model_section(bench.model)},
     }
     if args.profile:
         record["results"] = [dataclasses.asdict(p) for p in profile(args, bench)]

@@ -18,7 +18,7 @@ from common.sections import parse_section
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.model_config import ModelConfig
-from model.norms import parse_model
+from model.norms import model_section, parse_model
 from model.search import SearchConfig
 from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
@@ -185,9 +185,12 @@ class RunConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        model = asdict(self.model)
-        model.update(model.pop("schemes"))
-        return {**self.deepspeed, "model": model, "data": asdict(self.data), "train": asdict(self.train)}
+        return {
+            **self.deepspeed,
+            "model": model_section(self.model),
+            "data": asdict(self.data),
+            "train": asdict(self.train),
+        }
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,62 @@
+"""The docs agree with the code: docs/TRAINING.md's table of config keys names every key of the model,
+data and train sections, and only keys that exist (docs/SCHEMES.md's table is checked in test_cli.py)."""
+
+import dataclasses
+import re
+import typing
+
+from model.model_config import ModelConfig
+from pipeline.config.run_config import DataConfig, TrainConfig
+from tests.helpers import ROOT
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+PLACEHOLDER = "<"  # model.<scheme>.<option>: the schemes' options, which docs/SCHEMES.md lists
+
+
+def documented_keys() -> set[str]:
+    """Every key in the first column of TRAINING.md's config table, `a.{b,c}` spelled out."""
+    keys = set()
+    for line in (ROOT / "docs" / "TRAINING.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        for key in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if match := re.fullmatch(r"(.*)\{(.*)\}", key):
+                keys |= {match[1] + part for part in match[2].split(",")}
+            elif key.split(".")[0] in SECTIONS:
+                keys.add(key)
+    return keys
+
+
+def nested(cls: type) -> type | None:
+    """The dataclass a field of type `cls` holds, if any (`X`, `X | None`)."""
+    for candidate in (cls, *typing.get_args(cls)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def key_exists(key: str) -> bool:
+    section, *path = key.split(".")
+    cls = SECTIONS[section]
+    for name in path:
+        if cls is None:
+            return False
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if name not in fields:
+            return False
+        cls = nested(typing.get_type_hints(cls)[name])
+    return True
+
+
+def test_the_config_table_names_every_key_and_only_real_ones():
+    documented = documented_keys()
+    missing = [
+        f"{section}.{field.name}"
+        for section, cls in SECTIONS.items()
+        for field in dataclasses.fields(cls)
+        if field.name != "schemes"  # documented as model.<scheme>.<option>
+        and not any(key == f"{section}.{field.name}" or key.startswith(f"{section}.{field.name}.") for key in documented)
+    ]
+    assert missing == [], f"docs/TRAINING.md's config table lacks {missing}"
+    unknown = sorted(key for key in documented if PLACEHOLDER not in key and not key_exists(key))
+    assert unknown == [], f"docs/TRAINING.md's config table names keys no section has: {unknown}"

@@ -16,13 +16,13 @@ sum (float64) and one layer file, never a whole model, let alone K of them.
 
 The new tag SAVE_DIR/TAG (default avg_lastK for --last; for --tags avg_ and the tags' names without
 `global_step`, oldest first: --tags global_step2000 global_step1800 writes avg_1800_2000) holds the
-averaged layer files, an mp_rank_00_model_states.pt that holds nothing but `global_steps`, and
-fathom_average.json (what was averaged). scripts/generate.py and scripts/convert_to_fairseq.py read
-it like any other tag (--tag TAG). Its step is the NEWEST averaged checkpoint's, so values computed
-from the step (BranchNorm's alpha_t) are the ones the newest of the averaged weights were trained
-with; no step matches a mean of weights exactly, and the newest is where the run ended up. It has no
-optimizer, scheduler or data-loader state (those stay in the source tags): it is for translating and
-exporting, not for resuming, and `latest` and `best` are left where they are.
+averaged layer files, an mp_rank_00_model_states.pt that holds nothing but the newest checkpoint's
+`global_steps` and `schedule_step`, and fathom_average.json (what was averaged). scripts/generate.py and
+scripts/convert_to_fairseq.py read it like any other tag (--tag TAG). Its step is the NEWEST averaged
+checkpoint's, so values computed from the step (BranchNorm's alpha_t) are the ones the newest of the
+averaged weights were trained with; no step matches a mean of weights exactly, and the newest is where
+the run ended up. It has no optimizer, scheduler or data-loader state (those stay in the source tags): it
+is for translating and exporting, not for resuming, and `latest` and `best` are left where they are.
 
 The tag is written to a hidden directory inside SAVE_DIR and renamed into place when complete; an
 error leaves nothing behind. An existing TAG is refused unless --force, which replaces only an

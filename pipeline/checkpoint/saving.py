@@ -7,7 +7,9 @@ with save_latest=False and commits the checkpoint itself:
 
 1. every rank writes its files (DeepSpeed, through CommittingCheckpointEngine) and fsyncs them;
 2. the ranks gather the names and sizes of the files they wrote; after that, global rank 0 writes
-   TAG/fathom_manifest.json, then points `latest` (or the `best` link) at TAG with an atomic rename.
+   TAG/fathom_manifest.json, then points `latest` at TAG with an atomic rename: a best checkpoint
+   (best_TAG) too, since it is also the newest; for one, the `best` link moves to TAG the same way and
+   the previous best's directory is removed.
 
 A tag directory with a manifest is complete; `latest` and `best` only ever name complete ones. Before
 resuming, `verify` checks the manifest's files and sizes, so a checkpoint damaged afterwards (a

@@ -81,8 +81,9 @@ def set_checkpoint_function(pipe: PipelineModule, func: Callable[..., Any]) -> N
     pipe.activation_checkpoint_func = func
 
 
-def stage_bounds(pipe: PipelineModule) -> list[int]:
-    """The first layer of each stage, then the layer count, as the partition cut them."""
+def built_stage_bounds(pipe: PipelineModule) -> list[int]:
+    """The first layer of each stage, then the layer count, as a built pipeline holds them (what
+    pipeline/partition.py's stage_bounds computed from the config)."""
     return [int(bound) for bound in pipe.parts]
 
 

@@ -20,6 +20,7 @@ from model.model_config import ModelConfig
 from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,
+    built_stage_bounds,
     check_for_duplicates,
     check_version,
     checkpoint_engine,
@@ -27,7 +28,6 @@ from pipeline.deepspeed_internals import (
     loss_scale,
     replace_model_step,
     set_self_reduction,
-    stage_bounds,
     stage_layers,
     stage_range,
     tensor_backwards_joined,
@@ -128,7 +128,9 @@ def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
     assert engine.module.parts == [0, layers]  # ExternallyPartitioned: fathom's cut, not DeepSpeed's
     assert stage_range(engine.module) == range(layers)
     assert [index for _, index, _ in stage_layers(engine.module)] == list(range(layers))
-    assert stage_bounds(engine.module) == [0, layers] and all(type(b) is int for b in stage_bounds(engine.module))
+    assert built_stage_bounds(engine.module) == [0, layers] and all(
+        type(b) is int for b in built_stage_bounds(engine.module)
+    )
     with universal_loading(engine):  # what a resume on another shape loads with (pipeline/checkpoint/reshape.py)
         assert engine.load_universal_checkpoint()
     assert not engine.load_universal_checkpoint()

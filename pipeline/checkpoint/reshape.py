@@ -35,7 +35,7 @@ import torch.distributed as dist
 from common.errors import ConfigError
 from common.files import fsync_dir, unique_sibling, write_atomic
 from common.run_layout import MANIFEST, file_damage, read_manifest
-from pipeline.deepspeed_internals import stage_bounds
+from pipeline.deepspeed_internals import built_stage_bounds
 
 UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
 STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
@@ -70,7 +70,9 @@ class Shape:
 def engine_shape(engine: deepspeed.PipelineEngine) -> Shape:
     grid = engine.grid
     return Shape(
-        grid.get_pipe_parallel_world_size(), grid.get_data_parallel_world_size(), tuple(stage_bounds(engine.module))
+        grid.get_pipe_parallel_world_size(),
+        grid.get_data_parallel_world_size(),
+        tuple(built_stage_bounds(engine.module)),
     )
 
 

@@ -1,6 +1,6 @@
 """Import a fairseq Transformer checkpoint (Post-LN or Pre-LN) as a pipeline checkpoint.
 
-    python scripts/convert_from_fairseq.py --checkpoint FAIRSEQ.pt --out DIR
+    python scripts/convert_from_fairseq.py --fairseq-checkpoint FAIRSEQ.pt --out DIR
 
 DIR gets config.json (the model section) and the weights as DeepSpeed's per-layer files under
 the tag `fairseq`, readable at any stage count. Start a run from them with
@@ -23,6 +23,7 @@ from common.files import check_output_dir, save_file, staged
 from common.run_layout import CONFIG_FILE, LATEST, layer_file
 from convert.to_fairseq import fairseq_key
 from model.model_config import ModelConfig
+from model.norms import model_section
 from model.parts import model_parts
 
 TAG = "fairseq"
@@ -43,7 +44,11 @@ BETTER_TRANSFORMER_COPY = re.compile(r"encoder\.layers\.\d+\.(in_proj|out_proj|f
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="a fairseq checkpoint (arch transformer*)")
+    parser.add_argument(
+        "--fairseq-checkpoint",
+        required=True,
+        help="a fairseq checkpoint file (arch transformer*), e.g. checkpoint_best.pt",
+    )
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args(argv)
@@ -138,7 +143,7 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
 
 
 def convert(args: argparse.Namespace) -> ModelConfig:
-    source, out = Path(args.checkpoint), Path(args.out)
+    source, out = Path(args.fairseq_checkpoint), Path(args.out)
     check_output_dir(out, args.force, SUMMARY, [source])
     fairseq_args, state = read_checkpoint(source)
     cfg = model_config_from(fairseq_args, state, source)
@@ -146,7 +151,7 @@ def convert(args: argparse.Namespace) -> ModelConfig:
         (staging / TAG).mkdir()
         write_layers(cfg, state, staging / TAG, source)
         (staging / LATEST).write_text(TAG)
-        (staging / CONFIG_FILE).write_text(json.dumps({"model": cfg.__dict__}, indent=2) + "\n")
+        (staging / CONFIG_FILE).write_text(json.dumps({"model": model_section(cfg)}, indent=2) + "\n")
         (staging / SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
     return cfg
 

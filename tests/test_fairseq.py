@@ -189,7 +189,7 @@ def test_exports_import_back(exported, runs, multi30k_slice, tmp_path):
     src, prev = sample_batch(multi30k_slice)
     for case in EXPORTED:
         back = tmp_path / case
-        from_fairseq.main(["--checkpoint", str(exported[case] / "checkpoint.pt"), "--out", str(back)])
+        from_fairseq.main(["--fairseq-checkpoint", str(exported[case] / "checkpoint.pt"), "--out", str(back)])
         imported, original = load_reference(back), load_reference(runs / case)
         if SCHEMES[case].plain == case:  # nothing to fold
             assert imported.state_dict().keys() == original.state_dict().keys()
@@ -222,7 +222,7 @@ def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_
     assert result.returncode == 0, result.stderr[-4000:]
     fairseq_checkpoint = tmp_path / "fs" / "checkpoint_last.pt"
     imported = tmp_path / "imported"
-    from_fairseq.main(["--checkpoint", str(fairseq_checkpoint), "--out", str(imported)])
+    from_fairseq.main(["--fairseq-checkpoint", str(fairseq_checkpoint), "--out", str(imported)])
 
     src, prev = sample_batch(multi30k_slice)
     theirs = fairseq_log_probs(fairseq_bin, {"trained": fairseq_checkpoint}, (src, prev), tmp_path)["trained"]
@@ -300,10 +300,12 @@ def test_bad_export_inputs_fail_in_one_line(tmp_path, capsys, multi30k_slice):
     )
     assert "no checkpoint tagged 'global_step9'" in message
     assert not out.exists()
-    message = failure(capsys, from_fairseq.main, "--checkpoint", str(tmp_path / "missing.pt"), "--out", str(out))
+    message = failure(
+        capsys, from_fairseq.main, "--fairseq-checkpoint", str(tmp_path / "missing.pt"), "--out", str(out)
+    )
     assert "no such file" in message
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    message = failure(capsys, from_fairseq.main, "--checkpoint", str(tmp_path / "junk.pt"), "--out", str(out))
+    message = failure(capsys, from_fairseq.main, "--fairseq-checkpoint", str(tmp_path / "junk.pt"), "--out", str(out))
     assert "not a loadable fairseq checkpoint" in message
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.pt", "run"]  # no staging left behind

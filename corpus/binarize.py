@@ -1,7 +1,7 @@
 """Encoding a parallel corpus chunk by chunk, on every core, into SentencePiece ids.
 
 The main process reads both sides in lockstep and hands chunks of pairs to worker processes, which
-decode, filter and encode them; their results come back in order and are written in order, so the
+decode, encode and filter them; their results come back in order and are written in order, so the
 output is the same bytes whatever the number of workers. Memory holds a few chunks, not the corpus.
 """
 
@@ -17,18 +17,11 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from corpus.filters import Pairs, Setting, apply
 from corpus.text import decode_line
 
 CHUNK = 20_000  # pairs a worker encodes at a time
 BLOCK = 1 << 24  # ids a pass over a whole split's file (counting, remapping) holds at a time
-
-
-@dataclass(frozen=True)
-class Filters:
-    """Which training pairs are dropped; held-out splits keep every pair with text on both sides."""
-
-    max_len: int  # pieces, either side
-    max_ratio: float | None  # longer side / shorter side, in pieces
 
 
 @dataclass
@@ -41,15 +34,14 @@ class Chunk:
 
 @dataclass
 class Encoded:
-    """A chunk's kept pairs: per side, their ids concatenated, their lengths and their raw text."""
+    """A chunk's kept pairs: per side, their ids concatenated, their lengths and their raw text; and
+    the counts of corpus.filters.apply."""
 
     ids: tuple[np.ndarray, np.ndarray]
     lengths: tuple[np.ndarray, np.ndarray]
     raw: tuple[bytes, bytes]
     pairs_read: int
-    dropped_empty: int
-    dropped_long: int
-    dropped_ratio: int
+    counts: dict[str, int]
 
 
 _processors: tuple[spm.SentencePieceProcessor, spm.SentencePieceProcessor] | None = None
@@ -66,31 +58,22 @@ def id_dtype(size: int) -> np.dtype:
     return np.dtype("uint16") if size < 2**16 else np.dtype("int32")
 
 
-def encode_chunk(chunk: Chunk, filters: Filters) -> Encoded:
+def encode_chunk(chunk: Chunk, settings: dict[str, Setting]) -> Encoded:
+    """The chunk's pairs encoded, less those corpus.filters drop with these settings of their options."""
     assert _processors is not None, "load_processors first"
     texts = [
         [decode_line(raw, name, chunk.first_line + i + 1) for i, raw in enumerate(lines)]
         for lines, name in zip(chunk.lines, chunk.files, strict=True)
     ]
-    nonempty = [i for i, (s, t) in enumerate(zip(*texts, strict=True)) if s.strip() and t.strip()]
-    texts = [[side[i] for i in nonempty] for side in texts]
     ids = [processor.encode(side, out_type=int) for processor, side in zip(_processors, texts, strict=True)]
-    keep = range(len(nonempty))
-    dropped_long = dropped_ratio = 0
-    if chunk.train:
-        within = [i for i in keep if len(ids[0][i]) <= filters.max_len and len(ids[1][i]) <= filters.max_len]
-        dropped_long = len(keep) - len(within)
-        keep = within
-        if filters.max_ratio is not None:
-            ratio = filters.max_ratio
-            balanced = [i for i in keep if max(n := len(ids[0][i]), m := len(ids[1][i])) <= ratio * min(n, m)]
-            dropped_ratio = len(keep) - len(balanced)
-            keep = balanced
-    if len(keep) < len(nonempty):
-        texts = [[side[i] for i in keep] for side in texts]
-        ids = [[side[i] for i in keep] for side in ids]
+    lengths = np.array([list(map(len, side)) for side in ids], dtype=np.int64)
+    keep, counts = apply(Pairs((texts[0], texts[1]), lengths), settings, chunk.train)
+    if not keep.all():
+        kept = np.flatnonzero(keep)
+        texts = [[side[i] for i in kept] for side in texts]
+        ids = [[side[i] for i in kept] for side in ids]
+        lengths = lengths[:, keep]
     dtypes = [id_dtype(p.get_piece_size()) for p in _processors]
-    lengths = [np.fromiter(map(len, side), np.int64, count=len(side)) for side in ids]
     flat = [
         np.fromiter(itertools.chain.from_iterable(side), dtype, count=int(n.sum()))
         for side, dtype, n in zip(ids, dtypes, lengths, strict=True)
@@ -101,9 +84,7 @@ def encode_chunk(chunk: Chunk, filters: Filters) -> Encoded:
         lengths=(lengths[0], lengths[1]),
         raw=(raw[0], raw[1]),
         pairs_read=len(chunk.lines[0]),
-        dropped_empty=len(chunk.lines[0]) - len(nonempty),
-        dropped_long=dropped_long,
-        dropped_ratio=dropped_ratio,
+        counts=counts,
     )
 
 

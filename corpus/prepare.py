@@ -31,8 +31,8 @@ from tqdm import tqdm
 from common.errors import ConfigError, check_number, exit_on_config_error
 from common.files import check_output_dir, staged
 from common.run_layout import META_FILE
-from corpus import subwords
-from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Filters, Workers, encode_chunk, id_dtype, remap
+from corpus import filters, subwords
+from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap
 from corpus.dataset import Dictionary, PreparedData, file_record
 from corpus.text import decode_line, find_file, raw_lines
 from model.model_config import UNK
@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--spm-model", nargs="+", type=Path, metavar="FILE", help="use this model (two: source, target) instead"
     )
     parser.add_argument("--vocab-from", type=Path, metavar="DIR", help="a prepared directory's models and dictionaries")
-    parser.add_argument("--max-len", type=int, default=256, help="drop training pairs longer (in pieces)")
-    parser.add_argument("--max-ratio", type=float, help="drop training pairs whose longer side is over R x the other")
+    for option in filters.options():
+        parser.add_argument(option.flag, type=option.type, default=option.default, help=option.help)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes that encode")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
@@ -73,8 +73,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.vocab_size is None and not (args.spm_model or args.vocab_from):
         raise ConfigError("--vocab-size: required unless --spm-model or --vocab-from gives the model")
     check_number("--vocab-size", args.vocab_size, 8)
-    check_number("--max-len", args.max_len, 1, what=" piece")
-    check_number("--max-ratio", args.max_ratio, 1, what=" (sides of equal length)")
+    for option in filters.options():
+        check_number(option.flag, getattr(args, option.dest), option.least, what=option.what)
     check_number("--workers", args.workers, 1)
     check_number("--spm-sample", args.spm_sample, 1, what=" sentence")
     check_number("--spm-seed", args.spm_seed, 0)  # numpy's seeds are non-negative
@@ -124,7 +124,7 @@ def scan(split: SplitFiles, held_out: set[tuple[str, str]] | None, seen: set[tup
                 raise
             counts[0] += 1
             counts[1] += 1
-            if not (pair[0].strip() and pair[1].strip()):
+            if filters.empty(*pair):
                 empty.append(line)
             elif held_out is None:
                 pairs.append(pair)
@@ -236,8 +236,8 @@ def chunks(split: SplitFiles) -> itertools.Iterator[Chunk]:
 @dataclass
 class Binarized:
     """A split encoded into SentencePiece ids (SPLIT.LANG.spm) and sentence end offsets
-    (SPLIT.LANG.ends), with its raw text written. `counts`: the pairs each filter dropped, and the pairs
-    over --max-len a held-out split kept; `longest`: the longer side of its longest pair, in pieces."""
+    (SPLIT.LANG.ends), with its raw text written. `counts`: corpus.filters.counters, the pairs each filter
+    dropped and those a held-out split kept; `longest`: the longer side of its longest pair, in pieces."""
 
     pairs: int
     counts: dict[str, int]
@@ -245,10 +245,10 @@ class Binarized:
 
 
 def binarize(
-    split: SplitFiles, scanned: Scan, workers: Workers, filters: Filters, langs: tuple, tmp: Path
+    split: SplitFiles, scanned: Scan, workers: Workers, settings: dict[str, filters.Setting], langs: tuple, tmp: Path
 ) -> Binarized:
     pairs, ends, longest = 0, [0, 0], 0  # ends: tokens written so far per side, where the next sentence starts
-    counts = {"dropped_empty": 0, "dropped_too_long": 0, "dropped_ratio": 0, "kept_too_long": 0}
+    counts = dict.fromkeys(filters.counters(), 0)
     with ExitStack() as files:
         ids_out = [files.enter_context((tmp / f"{split.name}.{lang}.spm").open("wb")) for lang in langs]
         raw_out = [files.enter_context((tmp / f"{split.name}.raw.{lang}").open("wb")) for lang in langs]
@@ -257,17 +257,15 @@ def binarize(
             tqdm(total=scanned.lines, desc=f"encoding {split.name}", unit=" pairs", unit_scale=True, leave=False)
         )
         encoded: Encoded
-        for encoded in workers.map(encode_chunk, chunks(split), filters):
+        for encoded in workers.map(encode_chunk, chunks(split), settings):
             for side in range(2):
                 encoded.ids[side].tofile(ids_out[side])
                 raw_out[side].write(encoded.raw[side])
                 (ends[side] + np.cumsum(encoded.lengths[side])).tofile(ends_out[side])
                 ends[side] += int(encoded.lengths[side].sum())
-            counts["dropped_empty"] += encoded.dropped_empty
-            counts["dropped_too_long"] += encoded.dropped_long
-            counts["dropped_ratio"] += encoded.dropped_ratio
+            for counter, count in encoded.counts.items():
+                counts[counter] += count
             longer = np.maximum(*encoded.lengths)
-            counts["kept_too_long"] += int((longer > filters.max_len).sum())  # none in train, which drops them
             longest = max(longest, int(longer.max(initial=0)))
             pairs += len(encoded.lengths[0])
             progress.update(encoded.pairs_read)
@@ -338,22 +336,14 @@ def prepare(args: argparse.Namespace) -> dict:
     seen: set[tuple[str, str]] = set()
     scans = {"train": scan(splits[0], held_out, seen), **scans}
     check_held_out(splits, scans, seen)
-    filters = Filters(args.max_len, args.max_ratio)
+    settings = filters.settings_from(args)
 
     with staged(out) as tmp:
         vocab, spm_record = sentencepiece_models(args, given, splits[0], scans["train"], tmp)
         with Workers(args.workers, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
-            binarized = {s.name: binarize(s, scans[s.name], workers, filters, langs, tmp) for s in splits}
-        train = binarized["train"]
-        if not train.pairs:
-            culprits = {
-                f"--max-len {args.max_len}": train.counts["dropped_too_long"],
-                f"--max-ratio {args.max_ratio}": train.counts["dropped_ratio"],
-            }
-            culprits = {option: count for option, count in culprits.items() if count}
-            dropped = ", ".join(f"{count} over {option}" for option, count in culprits.items())
-            raise_ = " or ".join(option.split()[0] for option in culprits)
-            raise ConfigError(f"train: no pairs left ({dropped} dropped); raise {raise_}")
+            binarized = {s.name: binarize(s, scans[s.name], workers, settings, langs, tmp) for s in splits}
+        if not binarized["train"].pairs:
+            raise ConfigError(nothing_left(binarized["train"].counts, settings))
         if vocab.dictionaries is None:
             vocab.dictionaries = count_dictionaries(vocab, langs, tmp)
         dtype = id_dtype(max(len(d) for d in vocab.dictionaries)).name
@@ -369,7 +359,7 @@ def prepare(args: argparse.Namespace) -> dict:
             "dtype": dtype,
             "vocab": {lang: len(d) for lang, d in zip(langs, vocab.dictionaries, strict=True)},
             "sentencepiece": spm_record,
-            "filters": {"max_len": args.max_len, "max_ratio": args.max_ratio},
+            "filters": settings,
             "splits": {
                 s.name: {
                     "pairs": binarized[s.name].pairs,
@@ -385,14 +375,25 @@ def prepare(args: argparse.Namespace) -> dict:
     return meta
 
 
+def nothing_left(counts: dict[str, int], settings: dict[str, filters.Setting]) -> str:
+    """The error when the filters drop every training pair: the options that dropped some, and what to
+    do to each (the scan has refused a split with no pair that has text on both sides)."""
+    culprits = [(f, value) for f, value in filters.active(settings) if f.option and counts[f.counter]]
+    dropped = ", ".join(f"{counts[f.counter]} {f.label} {value}" for f, value in culprits)
+    flags: dict[str, list[str]] = {}
+    for f, _ in culprits:
+        flags.setdefault(f.loosen, []).append(f.option.flag)
+    advice = " or ".join(f"{verb} {' or '.join(names)}" for verb, names in flags.items())
+    return f"train: no pairs left ({dropped} dropped); {advice}"
+
+
 def split_summary(name: str, split: dict) -> str:
-    if name == "train":
-        return (
-            f"train: {split['pairs']} pairs ({split['dropped_empty']} empty, {split['dropped_too_long']} over "
-            f"--max-len, {split['dropped_ratio']} over --max-ratio dropped)"
-        )
-    kept = split["kept_too_long"]
-    return f"{name}: {split['pairs']} pairs ({split['dropped_empty']} empty dropped, {kept} over --max-len kept)"
+    """Per filter, the pairs it dropped; in a held-out split, only those of filters that apply there,
+    and the pairs training-only filters would have dropped, kept."""
+    train = name == "train"
+    dropped = ", ".join(f"{split[f.counter]} {f.label}" for f in filters.FILTERS if train or f.held_out)
+    kept = [f"{split[f.kept]} {f.label} kept" for f in filters.FILTERS if not train and f.kept]
+    return f"{name}: {split['pairs']} pairs ({', '.join([f'{dropped} dropped', *kept])})"
 
 
 def long_held_out_warning(name: str, split: dict, max_len: int) -> str | None:

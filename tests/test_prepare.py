@@ -12,6 +12,7 @@ import pytest
 from common.errors import ConfigError
 from corpus import prepare
 from corpus.dataset import BinarizedCorpus, ShardedCorpus
+from corpus.filters import Pairs, apply
 from corpus.prepare import main as prepare_main
 from pipeline.config.run_config import load_config
 from pipeline.train import main as train_main
@@ -82,6 +83,21 @@ def test_long_and_unbalanced_training_pairs_are_dropped_and_counted(standin, tmp
     assert len(corpus) == train["pairs"] and max(src.max(), tgt.max()) <= 60
     assert (np.maximum(src, tgt) <= 1.3 * np.minimum(src, tgt)).all()
     assert meta["splits"]["valid"]["pairs"] == 100  # held-out data keeps every pair
+
+
+def test_a_pair_is_counted_by_the_first_filter_that_drops_it():
+    """corpus.filters in order, on hand-made pairs: held-out splits drop only empty pairs and count the
+    kept pairs over --max-len; --max-ratio left out drops nothing."""
+    texts = (["a", " ", "b c", "d", "e"], ["x", "y", "", "w", "v"])
+    pairs = Pairs(texts, np.array([[3, 1, 2, 9, 2], [3, 1, 0, 9, 6]]))  # pieces per side
+    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": 2.0}, train=True)
+    assert keep.tolist() == [True, False, False, False, False]
+    assert counts == {"dropped_empty": 2, "dropped_too_long": 1, "dropped_ratio": 1, "kept_too_long": 0}
+    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": 2.0}, train=False)
+    assert keep.tolist() == [True, False, False, True, True]
+    assert counts == {"dropped_empty": 2, "dropped_too_long": 0, "dropped_ratio": 0, "kept_too_long": 1}
+    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": None}, train=True)
+    assert keep.tolist() == [True, False, False, False, True] and counts["dropped_ratio"] == 0
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
 from model.transformer import Transformer
 
-SearchFn = Callable[..., list[Hypothesis]]
+SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -108,9 +108,7 @@ class Translator:
         batches = length_batches(sources, range(len(sources)), self.search_cfg.batch_size)
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
-            src = with_eos([sources[i] for i in batch])
-            cfg = self.search_cfg
-            found = search(self.model, src, cfg.beam, cfg.lenpen, cfg.max_len_a, cfg.max_len_b)
+            found = search(self.model, with_eos([sources[i] for i in batch]), self.search_cfg)
             for index, hypothesis in zip(batch, found, strict=True):
                 hypotheses[index] = hypothesis
         return hypotheses

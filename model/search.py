@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,15 +34,17 @@ Choose = Callable[[torch.Tensor], Candidates]
 @dataclass
 class SearchConfig:
     """How every decoder of fathom searches (generate.py, translate.py, train.valid_bleu, the depth study's
-    BLEU): one set of settings with one set of defaults, checked in one place."""
+    BLEU): one set of settings with one set of defaults, checked in one place. Each field is also a
+    command-line flag of the decoding commands (translation/translate.py's add_search_args: --max-len-a
+    for max_len_a, typed by the default, with the field's metadata "help") and a train.valid_bleu key."""
 
     beam: int = 4
-    lenpen: float = 1.0  # fairseq's length penalty: scores / length ** lenpen
+    lenpen: float = field(default=1.0, metadata={"help": "fairseq's length penalty (scores / len**lenpen)"})
     # Output length limit a x source length + b (fairseq's --eval-bleu-args example): an undertrained
     # model that never ends a sentence stops there instead of at the model's max_positions.
-    max_len_a: float = 1.2
+    max_len_a: float = field(default=1.2, metadata={"help": "output length limit: a x source length + b"})
     max_len_b: int = 10
-    batch_size: int = 64  # sentences decoded together
+    batch_size: int = field(default=64, metadata={"help": "sentences per batch"})
 
     def check(self, name: Callable[[str], str]) -> None:
         """Fails in one line on a setting no search can use; `name` spells a setting as the user gave it

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ from corpus.dataset import BinarizedCorpus
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.reference_search import full_recompute_search
 from model.search import SearchConfig, beam_search
-from translation.translate import SearchFn, Translator, add_model_args, search_config
+from translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
@@ -76,6 +77,11 @@ class Fathom:
         return seconds, [self.translator.detokenize(h) for h in found]
 
 
+def search_flags(cfg: SearchConfig) -> list[str]:
+    """fairseq-generate's flags for the same search: fathom's search flags are fairseq's (add_search_args)."""
+    return [text for setting in fields(cfg) for text in (option_name(setting.name), str(getattr(cfg, setting.name)))]
+
+
 class Fairseq:
     """fairseq-generate on the model exported to fairseq, in its own environment and process."""
 
@@ -95,9 +101,7 @@ class Fairseq:
             split_file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         self.command = [
             str(bin_dir / "fairseq-generate"), str(self.export), "--path", str(self.export / "checkpoint.pt"),
-            "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", "--beam", str(args.beam),
-            "--lenpen", str(args.lenpen), "--max-len-a", str(args.max_len_a), "--max-len-b", str(args.max_len_b),
-            "--batch-size", str(args.batch_size),
+            "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", *search_flags(translator.search_cfg),
         ]  # fmt: skip
         # the same threads and heap settings as ours
         threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "sentences": len(sources),
         "threads": args.threads,
-        "search": {k: getattr(args, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b", "batch_size")},
+        "search": asdict(search_cfg),
         "systems": {
             name: {
                 "seconds": times,

@@ -38,27 +38,30 @@ from model.transformer import Transformer
 SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 
 
+def option_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_search_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per SearchConfig field: --max-len-a for max_len_a, of the default's type, with the field's
+    default and its metadata "help"."""
+    for setting in dataclasses.fields(SearchConfig):
+        parser.add_argument(
+            option_name(setting.name),
+            type=type(setting.default),
+            default=setting.default,
+            help=setting.metadata.get("help"),
+        )
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The options that choose a checkpoint, its data directory, the device and the search."""
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
     parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")
-    default = SearchConfig()
-    parser.add_argument("--beam", type=int, default=default.beam)
-    parser.add_argument(
-        "--lenpen", type=float, default=default.lenpen, help="fairseq's length penalty (scores / len**lenpen)"
-    )
-    parser.add_argument(
-        "--max-len-a", type=float, default=default.max_len_a, help="output length limit: a x source length + b"
-    )
-    parser.add_argument("--max-len-b", type=int, default=default.max_len_b)
-    parser.add_argument("--batch-size", type=int, default=default.batch_size, help="sentences per batch")
+    add_search_args(parser)
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if there is one)")
     parser.add_argument("--precision", choices=DTYPES, default="fp32", help="of the weights (log-probs in fp32)")
-
-
-def option_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def search_config(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> SearchConfig:

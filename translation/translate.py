@@ -88,8 +88,8 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
 
 
 class Translator:
-    """A run's model on a device, with the dictionaries and SentencePiece models of its data; `search_cfg`
-    is search_config(args), which its caller checks before any work."""
+    """A run's model on a device, with the dictionaries and SentencePiece models of its data, decoding
+    with `search_cfg`: search_config(args) or the depth study's, checked by the caller before any work."""
 
     def __init__(self, args: argparse.Namespace, search_cfg: SearchConfig):
         self.search_cfg = search_cfg

@@ -19,18 +19,13 @@ from model.transformer import Transformer
 
 @torch.no_grad()
 def full_recompute_search(
-    model: Transformer,
-    src_tokens: torch.Tensor,
-    beam: int = SearchConfig.beam,
-    lenpen: float = SearchConfig.lenpen,
-    max_len_a: float = SearchConfig.max_len_a,
-    max_len_b: int = SearchConfig.max_len_b,
-    min_len: int = 1,
+    model: Transformer, src_tokens: torch.Tensor, cfg: SearchConfig, min_len: int = 1
 ) -> list[Hypothesis]:
-    """Best hypothesis per source sentence (token ids ending before eos). beam=1 is greedy decoding."""
+    """Best hypothesis per source sentence (token ids ending before eos), on the CPU; model.search.beam_search's
+    signature. cfg.beam=1 is greedy decoding."""
     model.eval()
-    batch, k = src_tokens.size(0), beam
-    max_len = max_length(src_tokens, model.cfg.max_positions, max_len_a, max_len_b)
+    batch, k, lenpen = src_tokens.size(0), cfg.beam, cfg.lenpen
+    max_len = max_length(src_tokens, model.cfg.max_positions, cfg)
 
     src = src_tokens.repeat_interleave(k, dim=0)
     encoder_out = model.encoder(src_tokens).repeat_interleave(k, dim=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,15 +34,17 @@ Choose = Callable[[torch.Tensor], Candidates]
 @dataclass
 class SearchConfig:
     """How every decoder of fathom searches (generate.py, translate.py, train.valid_bleu, the depth study's
-    BLEU): one set of settings with one set of defaults, checked in one place."""
+    BLEU): one set of settings with one set of defaults, checked in one place. Each field is also a
+    command-line flag of the decoding commands (translation/translate.py's add_search_args: --max-len-a
+    for max_len_a, typed by the default, with the field's metadata "help") and a train.valid_bleu key."""
 
     beam: int = 4
-    lenpen: float = 1.0  # fairseq's length penalty: scores / length ** lenpen
+    lenpen: float = field(default=1.0, metadata={"help": "fairseq's length penalty (scores / len**lenpen)"})
     # Output length limit a x source length + b (fairseq's --eval-bleu-args example): an undertrained
     # model that never ends a sentence stops there instead of at the model's max_positions.
-    max_len_a: float = 1.2
+    max_len_a: float = field(default=1.2, metadata={"help": "output length limit: a x source length + b"})
     max_len_b: int = 10
-    batch_size: int = 64  # sentences decoded together
+    batch_size: int = field(default=64, metadata={"help": "sentences per batch"})
 
     def check(self, name: Callable[[str], str]) -> None:
         """Fails in one line on a setting no search can use; `name` spells a setting as the user gave it
@@ -74,10 +76,10 @@ class StepDecoder(Protocol):
         ...
 
 
-def max_length(src_tokens: torch.Tensor, max_positions: int, max_len_a: float, max_len_b: int) -> int:
+def max_length(src_tokens: torch.Tensor, max_positions: int, cfg: SearchConfig) -> int:
     """fairseq's output length limit for a batch: a * longest source + b, within the model's positions."""
     src_len = int(src_tokens.ne(PAD).sum(1).max())
-    return min(int(max_len_a * src_len + max_len_b), max_positions - 1)
+    return min(int(cfg.max_len_a * src_len + cfg.max_len_b), max_positions - 1)
 
 
 def chooser(scores: torch.Tensor, step: int, max_len: int, min_len: int) -> Choose:
@@ -103,16 +105,12 @@ def chooser(scores: torch.Tensor, step: int, max_len: int, min_len: int) -> Choo
 
 @torch.no_grad()
 def search(
-    decoder: StepDecoder,
-    batch: int,
-    beam: int,
-    max_len: int,
-    lenpen: float = 1.0,
-    min_len: int = 1,
-    device: torch.device | str = "cpu",
+    decoder: StepDecoder, src_tokens: torch.Tensor, max_positions: int, cfg: SearchConfig, min_len: int = 1
 ) -> list[Hypothesis]:
-    """Best hypothesis per sentence of a batch the decoder was started on, rows sentence-major."""
-    k = beam
+    """Best hypothesis per sentence of src_tokens, which the decoder was started on (rows sentence-major,
+    cfg.beam rows a sentence), on their device; max_positions is the model's."""
+    batch, k, lenpen, device = src_tokens.size(0), cfg.beam, cfg.lenpen, src_tokens.device
+    max_len = max_length(src_tokens, max_positions, cfg)
     tokens = torch.full((batch * k, 1), EOS, dtype=torch.long, device=device)
     scores = torch.zeros(batch, k, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
@@ -194,19 +192,10 @@ class ModelDecoder(CachedRows):
 
 
 @torch.no_grad()
-def beam_search(
-    model: Transformer,
-    src_tokens: torch.Tensor,
-    beam: int = SearchConfig.beam,
-    lenpen: float = SearchConfig.lenpen,
-    max_len_a: float = SearchConfig.max_len_a,
-    max_len_b: int = SearchConfig.max_len_b,
-    min_len: int = 1,
-) -> list[Hypothesis]:
-    """Best hypothesis per source sentence, decoded on the model's device. beam=1 is greedy decoding."""
+def beam_search(model: Transformer, src_tokens: torch.Tensor, cfg: SearchConfig, min_len: int = 1) -> list[Hypothesis]:
+    """Best hypothesis per source sentence, decoded on the model's device (cfg.batch_size is the caller's
+    batching). cfg.beam=1 is greedy decoding; eos is forbidden before min_len tokens."""
     model.eval()
-    device = next(model.parameters()).device
-    src_tokens = src_tokens.to(device)
-    max_len = max_length(src_tokens, model.cfg.max_positions, max_len_a, max_len_b)
-    decoder = ModelDecoder(model, src_tokens, beam)
-    return search(decoder, src_tokens.size(0), beam, max_len, lenpen, min_len, device)
+    src_tokens = src_tokens.to(next(model.parameters()).device)
+    decoder = ModelDecoder(model, src_tokens, cfg.beam)
+    return search(decoder, src_tokens, model.cfg.max_positions, cfg, min_len)

@@ -37,7 +37,7 @@ from model.cache import DecoderCache
 from model.layers import DecoderLayer, EncoderLayer
 from model.model_config import ModelConfig
 from model.parts import model_parts, module_names
-from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, max_length, search
+from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
 from pipeline.config.run_config import ValidBleu
 
 
@@ -138,9 +138,8 @@ def translate(
     try:
         for batch in length_batches(sources, mine, search_cfg.batch_size):
             src = with_eos([sources[i] for i in batch]).to(engine.device)
-            max_len = max_length(src, cfg.max_positions, search_cfg.max_len_a, search_cfg.max_len_b)
             decoder = StageDecoder(stage, src, search_cfg.beam)
-            hypotheses = search(decoder, len(batch), search_cfg.beam, max_len, search_cfg.lenpen, device=engine.device)
+            hypotheses = search(decoder, src, cfg.max_positions, search_cfg)
             found.update(zip(batch, hypotheses, strict=True))
     finally:
         engine.module.train(was_training)

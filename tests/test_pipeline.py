@@ -16,7 +16,7 @@ from model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook
 from model.parts import TRANSFORMER_LAYERS, model_parts
-from model.search import beam_search
+from model.search import SearchConfig, beam_search
 from model.trained import load_reference, model_config
 from pipeline.config.run_config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
@@ -116,7 +116,7 @@ def test_search_through_two_stages_equals_single_process(parity_runs, case):
     cfg = load_config(config, cases[case].split(","), world_size=2)
     valid = build_corpus(cfg, "valid")
     src = with_eos([valid.pair(i)[0] for i in range(len(decoded))])
-    found = beam_search(load_reference(out / case, "after"), src, **SEARCH)
+    found = beam_search(load_reference(out / case, "after"), src, SearchConfig(**SEARCH))
     assert [h.tokens for h in found] == [d["tokens"] for d in decoded]
     assert [h.score for h in found] == pytest.approx([d["score"] for d in decoded], abs=1e-5)
 

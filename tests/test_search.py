@@ -13,7 +13,7 @@ from model.loss import label_smoothed_cross_entropy
 from model.model_config import EOS
 from model.norms import ScheduleHook
 from model.reference_search import full_recompute_search
-from model.search import ModelDecoder, beam_search, search
+from model.search import ModelDecoder, SearchConfig, beam_search, search
 
 
 def tiny_model(seed=0, scheme="pre_ln", **kw) -> Transformer:
@@ -82,6 +82,11 @@ def greedy(model, src, max_len):
     return tokens[0, 1:].tolist()
 
 
+def fixed_limit(beam: int, max_len_b: int, lenpen: float = 0.6) -> SearchConfig:
+    """A search whose output limit is max_len_b tokens whatever the source length."""
+    return SearchConfig(beam=beam, lenpen=lenpen, max_len_a=0, max_len_b=max_len_b)
+
+
 SOURCES = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 5], [14, 15, 16, 17], [6, 6, 9, 20, 21, 22], [7], [19, 18, 17, 16]]
 
 
@@ -102,8 +107,8 @@ def assert_same_hypotheses(got, want):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_incremental_search_equals_full_recompute(scheme, beam):
     model, src = briefly_trained(scheme), batch_of(SOURCES)
-    got = beam_search(model, src, beam=beam, lenpen=0.6, max_len_a=0, max_len_b=5)
-    want = full_recompute_search(model, src, beam=beam, lenpen=0.6, max_len_a=0, max_len_b=5)
+    got = beam_search(model, src, fixed_limit(beam, 5))
+    want = full_recompute_search(model, src, fixed_limit(beam, 5))
     assert_same_hypotheses(got, want)
     assert_ends_vary(want, 5)
 
@@ -118,8 +123,8 @@ def test_incremental_search_with_shared_tables_and_learned_positions(share):
         learned_pos=share.endswith("learned_pos"),
     )
     src = batch_of(SOURCES)
-    want = full_recompute_search(model, src, beam=3, lenpen=1.0, max_len_a=0, max_len_b=5)
-    assert_same_hypotheses(beam_search(model, src, beam=3, lenpen=1.0, max_len_a=0, max_len_b=5), want)
+    want = full_recompute_search(model, src, fixed_limit(3, 5, lenpen=1.0))
+    assert_same_hypotheses(beam_search(model, src, fixed_limit(3, 5, lenpen=1.0)), want)
     assert_ends_vary(want, 5)
 
 
@@ -129,8 +134,8 @@ def test_caches_that_grow_mid_search(monkeypatch):
     re-ranked and sentences leave the batch keeps every prefix."""
     monkeypatch.setattr(model.cache, "FIRST_CAPACITY", 1)
     net, src = briefly_trained("pre_ln"), batch_of(SOURCES)
-    want = full_recompute_search(net, src, beam=4, lenpen=0.6, max_len_a=0, max_len_b=9)
-    assert_same_hypotheses(beam_search(net, src, beam=4, lenpen=0.6, max_len_a=0, max_len_b=9), want)
+    want = full_recompute_search(net, src, fixed_limit(4, 9))
+    assert_same_hypotheses(beam_search(net, src, fixed_limit(4, 9)), want)
     assert max(len(h.tokens) for h in want) > 2  # 4 positions fed: the caches grew from 2 to 6
     assert_ends_vary(want, 9)
 
@@ -149,10 +154,10 @@ class CountingDecoder(ModelDecoder):
 def test_finished_sentences_leave_the_batch():
     model, src = briefly_trained("post_ln"), batch_of(SOURCES)
     decoder = CountingDecoder(model, src, 4)
-    hypotheses = search(decoder, len(SOURCES), beam=4, max_len=30, lenpen=0.6)
+    hypotheses = search(decoder, src, model.cfg.max_positions, fixed_limit(4, 30))
     assert decoder.rows[0] == 4 * len(SOURCES)
     assert decoder.rows == sorted(decoder.rows, reverse=True) and decoder.rows[-1] < decoder.rows[0]
-    assert_same_hypotheses(hypotheses, full_recompute_search(model, src, beam=4, lenpen=0.6, max_len_a=0, max_len_b=30))
+    assert_same_hypotheses(hypotheses, full_recompute_search(model, src, fixed_limit(4, 30)))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -160,17 +165,13 @@ def test_beam_one_is_greedy(seed):
     model = tiny_model(seed)
     for tokens in SOURCES:
         src = torch.tensor([tokens + [EOS]])
-        assert [h.tokens for h in beam_search(model, src, beam=1, max_len_a=0, max_len_b=12)] == [
-            greedy(model, src, 12)
-        ]
+        assert [h.tokens for h in beam_search(model, src, fixed_limit(1, 12, lenpen=1.0))] == [greedy(model, src, 12)]
 
 
 def test_batched_equals_one_sentence_at_a_time():
     model = trained_looking("pre_ln", seed=3)
-    batched = beam_search(model, batch_of(SOURCES), beam=4, lenpen=0.6, max_len_a=0, max_len_b=12)
-    single = [
-        beam_search(model, torch.tensor([s + [EOS]]), beam=4, lenpen=0.6, max_len_a=0, max_len_b=12)[0] for s in SOURCES
-    ]
+    batched = beam_search(model, batch_of(SOURCES), fixed_limit(4, 12))
+    single = [beam_search(model, torch.tensor([s + [EOS]]), fixed_limit(4, 12))[0] for s in SOURCES]
     assert_same_hypotheses(batched, single)
 
 
@@ -178,8 +179,8 @@ def test_bf16_model_decodes_like_fp32():
     """bf16 weights decode on the same path (log-probabilities in fp32); on a small model the hypotheses
     agree with fp32's for most sentences (bf16 rounding may flip a near tie)."""
     model, src = trained_looking("pre_ln", seed=5), batch_of(SOURCES)
-    fp32 = beam_search(model, src, beam=4, lenpen=0.6, max_len_a=0, max_len_b=12)
-    bf16 = beam_search(model.to(torch.bfloat16), src, beam=4, lenpen=0.6, max_len_a=0, max_len_b=12)
+    fp32 = beam_search(model, src, fixed_limit(4, 12))
+    bf16 = beam_search(model.to(torch.bfloat16), src, fixed_limit(4, 12))
     assert sum(a.tokens == b.tokens for a, b in zip(fp32, bf16, strict=True)) >= len(SOURCES) - 2
 
 
@@ -191,6 +192,4 @@ def test_memorized_pairs_are_reproduced_exactly():
     assert fit(model, batch, steps=300) < 0.01
     (src, _), _ = batch
     for beam in (1, 4):
-        assert [h.tokens for h in beam_search(model, src, beam=beam, lenpen=0.6, max_len_a=0, max_len_b=200)] == [
-            t for _, t in pairs
-        ]
+        assert [h.tokens for h in beam_search(model, src, fixed_limit(beam, 200))] == [t for _, t in pairs]

@@ -21,6 +21,7 @@ from translation.generate import main as generate_main
 from translation.generate import parse_args as parse_generate_args
 from translation.generate import translate as generate_translate
 from translation.translate import main as translate_main
+from translation.translate import search_config
 
 # A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and
 # these untrained models run every hypothesis to the limit, so batch sizes could not be compared.
@@ -167,7 +168,7 @@ def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp
                  + ["--vocab-size", "300", "--out", str(data)])  # fmt: skip
     run = untrained_run(data, tmp_path / "run")
     args = parse_generate_args(["--checkpoint", str(run), "--data", str(data), "--subset", "test", *SEARCH])
-    hypotheses, references, _ = generate_translate(args)
+    hypotheses, references, _ = generate_translate(args, search_config(args))
     assert references == lines and len(hypotheses) == 12
     capsys.readouterr()
     stdin = (raw / "test_2016_flickr.de").read_bytes()

@@ -93,24 +93,17 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
     return status
 
 
-def bleu_args(spec: StudySpec, data: str | Path, save_dir: Path) -> argparse.Namespace:
-    """generate.py's arguments for a cell's validation BLEU: the study's beam, lenpen and length limit."""
-    from translation.generate import parse_args
-
-    search = spec.search
-    return parse_args(["--checkpoint", str(save_dir), "--data", str(data), "--subset", "valid", "--beam",
-                       str(search.beam), "--lenpen", str(search.lenpen), "--max-len-a", str(search.max_len_a),
-                       "--max-len-b", str(search.max_len_b), "--batch-size", str(search.batch_size),
-                       "--device", "cpu"])  # fmt: skip
-
-
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
-    """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's)."""
+    """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's), with
+    the study's search settings."""
     from sacrebleu.metrics import BLEU
 
-    from translation.generate import translate
+    from translation.generate import parse_args, translate
 
-    hypotheses, references, _ = translate(bleu_args(spec, cfg.data.directory, save_dir))
+    args = parse_args(
+        ["--checkpoint", str(save_dir), "--data", str(cfg.data.directory), "--subset", "valid", "--device", "cpu"]
+    )
+    hypotheses, references, _ = translate(args, spec.search)
     return BLEU().corpus_score(hypotheses, [references]).score
 
 

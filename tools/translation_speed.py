@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -42,7 +42,8 @@ from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.reference_search import full_recompute_search
-from translation.translate import Translator, add_model_args, search_config
+from model.search import SearchConfig, beam_search
+from translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Fathom:
     """A search of ours, in this process."""
 
-    def __init__(self, translator: Translator, sources: list[torch.Tensor], search: Callable | None):
+    def __init__(self, translator: Translator, sources: list[torch.Tensor], search: SearchFn | None):
         self.translator, self.sources = translator, sources
         self.options = {} if search is None else {"search": search}
 
@@ -74,6 +75,11 @@ class Fathom:
         found = self.translator.search(self.sources, **self.options)
         seconds = time.perf_counter() - tick
         return seconds, [self.translator.detokenize(h) for h in found]
+
+
+def search_flags(cfg: SearchConfig) -> list[str]:
+    """fairseq-generate's flags for the same search: fathom's search flags are fairseq's (add_search_args)."""
+    return [text for setting in fields(cfg) for text in (option_name(setting.name), str(getattr(cfg, setting.name)))]
 
 
 class Fairseq:
@@ -95,9 +101,7 @@ class Fairseq:
             split_file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         self.command = [
             str(bin_dir / "fairseq-generate"), str(self.export), "--path", str(self.export / "checkpoint.pt"),
-            "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", "--beam", str(args.beam),
-            "--lenpen", str(args.lenpen), "--max-len-a", str(args.max_len_a), "--max-len-b", str(args.max_len_b),
-            "--batch-size", str(args.batch_size),
+            "--dataset-impl", "raw", "--gen-subset", args.subset, "--cpu", *search_flags(translator.search_cfg),
         ]  # fmt: skip
         # the same threads and heap settings as ours
         threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "sentences": len(sources),
         "threads": args.threads,
-        "search": {k: getattr(args, k) for k in ("beam", "lenpen", "max_len_a", "max_len_b", "batch_size")},
+        "search": asdict(search_cfg),
         "systems": {
             name: {
                 "seconds": times,
@@ -233,7 +237,6 @@ def depth_main(argv: list[str] | None = None) -> None:
         python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30] [--sentences 64]
     """
     from model import Transformer
-    from model.search import beam_search
 
     args = parse_depth_args(argv)
     with exit_on_config_error():
@@ -241,6 +244,7 @@ def depth_main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     torch.set_num_threads(args.threads)
     searches = {"incremental": beam_search, "full": full_recompute_search}
+    search_cfg = SearchConfig(beam=args.beam, max_len_a=0, max_len_b=args.length)
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, 15), generator=generator)
     src[:, -1] = 2  # eos
@@ -257,7 +261,7 @@ def depth_main(argv: list[str] | None = None) -> None:
         times = {}
         for name in systems:
             tick = time.perf_counter()
-            found = searches[name](model, src, beam=args.beam, max_len_a=0, max_len_b=args.length, min_len=args.length)
+            found = searches[name](model, src, search_cfg, min_len=args.length)
             times[name] = time.perf_counter() - tick
             assert all(len(h.tokens) == args.length for h in found)
         per_layer = f"{times['incremental'] / depth:.3f}" if "incremental" in times else ""

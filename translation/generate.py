@@ -20,6 +20,7 @@ from common.files import check_writable_file, write_atomic
 from common.heap import keep_freed_blocks
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
+from model.search import SearchConfig
 from translation.translate import Translator, add_model_args, print_scores, search_config
 
 
@@ -31,11 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def translate(args: argparse.Namespace, output: Path | None = None) -> tuple[list[str], list[str], float]:
-    """(hypotheses, references) of the split, in the split's order, and the seconds the search took. The
-    search settings, the data and the checkpoint are checked first, then that `output` can be written, then
-    the search runs."""
-    search_cfg = search_config(args)
+def translate(
+    args: argparse.Namespace, search_cfg: SearchConfig, output: Path | None = None
+) -> tuple[list[str], list[str], float]:
+    """(hypotheses, references) of the split, in the split's order, and the seconds the search took, with
+    `search_cfg` (checked: search_config(args), or the depth study's). The data and the checkpoint are
+    checked first, then that `output` can be written, then the search runs."""
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args, search_cfg)
     if output is not None:
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     with exit_on_config_error():
-        hypotheses, references, seconds = translate(args, output)
+        hypotheses, references, seconds = translate(args, search_config(args), output)
         write_atomic(output, "".join(h + "\n" for h in hypotheses))
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
     print_scores(hypotheses, references, file=sys.stdout)

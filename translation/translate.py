@@ -35,7 +35,23 @@ from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
 from model.transformer import Transformer
 
-SearchFn = Callable[..., list[Hypothesis]]
+SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
+
+
+def option_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_search_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per SearchConfig field: --max-len-a for max_len_a, of the default's type, with the field's
+    default and its metadata "help"."""
+    for setting in dataclasses.fields(SearchConfig):
+        parser.add_argument(
+            option_name(setting.name),
+            type=type(setting.default),
+            default=setting.default,
+            help=setting.metadata.get("help"),
+        )
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -43,22 +59,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
     parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")
-    default = SearchConfig()
-    parser.add_argument("--beam", type=int, default=default.beam)
-    parser.add_argument(
-        "--lenpen", type=float, default=default.lenpen, help="fairseq's length penalty (scores / len**lenpen)"
-    )
-    parser.add_argument(
-        "--max-len-a", type=float, default=default.max_len_a, help="output length limit: a x source length + b"
-    )
-    parser.add_argument("--max-len-b", type=int, default=default.max_len_b)
-    parser.add_argument("--batch-size", type=int, default=default.batch_size, help="sentences per batch")
+    add_search_args(parser)
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if there is one)")
     parser.add_argument("--precision", choices=DTYPES, default="fp32", help="of the weights (log-probs in fp32)")
-
-
-def option_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
 
 
 def search_config(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> SearchConfig:
@@ -85,8 +88,8 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
 
 
 class Translator:
-    """A run's model on a device, with the dictionaries and SentencePiece models of its data; `search_cfg`
-    is search_config(args), which its caller checks before any work."""
+    """A run's model on a device, with the dictionaries and SentencePiece models of its data, decoding
+    with `search_cfg`: search_config(args) or the depth study's, checked by the caller before any work."""
 
     def __init__(self, args: argparse.Namespace, search_cfg: SearchConfig):
         self.search_cfg = search_cfg
@@ -108,9 +111,7 @@ class Translator:
         batches = length_batches(sources, range(len(sources)), self.search_cfg.batch_size)
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
-            src = with_eos([sources[i] for i in batch])
-            cfg = self.search_cfg
-            found = search(self.model, src, cfg.beam, cfg.lenpen, cfg.max_len_a, cfg.max_len_b)
+            found = search(self.model, with_eos([sources[i] for i in batch]), self.search_cfg)
             for index, hypothesis in zip(batch, found, strict=True):
                 hypotheses[index] = hypothesis
         return hypotheses

@@ -11,7 +11,8 @@ so only the first stage reads inputs and only the last reads labels:
 
     (src_tokens, prev_output_tokens)                      -> encoder embedding
     (x, src_tokens, prev_output_tokens)                   -> encoder layers [, encoder.layer_norm]
-    (y, encoder_out, src_tokens)                          -> decoder embedding, decoder layers
+    (encoder_out, src_tokens, prev_output_tokens)         -> decoder embedding (encoder_out: the encoder's x)
+    (y, encoder_out, src_tokens)                          -> decoder layers (the last returns y alone)
     y                                                     -> [decoder.layer_norm,] output projection
 """
 

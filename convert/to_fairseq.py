@@ -38,8 +38,9 @@ from corpus.dataset import BinarizedCorpus, check_vocab
 from model.fold import folded
 from model.model_config import PAD, ModelConfig
 from model.norms import SCHEMES, ScheduleHook, build_scheme
-from model.parts import Part, build_parts, model_parts
+from model.parts import build_parts
 from model.trained import missing_layer_files, model_config
+from pipeline.stage_modules import PipePart, pipe_parts
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"
@@ -115,7 +116,7 @@ class PartRunner:
         self.activations: tuple[torch.Tensor, ...] | torch.Tensor = inputs
 
     @torch.no_grad()
-    def __call__(self, part: Part, module: nn.Module) -> None:
+    def __call__(self, part: PipePart, module: nn.Module) -> None:
         self.activations = part.run(module, self.activations)
 
     def log_probs(self) -> torch.Tensor:
@@ -195,15 +196,13 @@ class Export:
         missing_layer_files(cfg, checkpoint)
         return cls(checkpoint, cfg, scheme.plain_config(), schedule_step(checkpoint))
 
-    def folded_layers(self, trained: PartRunner) -> Iterator[tuple[Part, nn.Module]]:
+    def folded_layers(self, trained: PartRunner) -> Iterator[tuple[PipePart, nn.Module]]:
         """(plain part, folded plain module) in the parts' order, each built when its turn comes;
         `trained` runs the trained layers."""
-        parts, plain_parts = model_parts(self.cfg), model_parts(self.plain)
+        parts, plain_parts = pipe_parts(self.cfg), pipe_parts(self.plain)
 
         def pairs():
-            built = zip(
-                parts, plain_parts, build_parts(parts, flat=True), build_parts(plain_parts, flat=True), strict=True
-            )
+            built = zip(parts, plain_parts, build_parts(parts), build_parts(plain_parts), strict=True)
             for index, (part, plain_part, module, plain_module) in enumerate(built):
                 module.eval()
                 plain_module.eval()
@@ -223,7 +222,7 @@ class Export:
         state: dict[str, torch.Tensor] = {}
         layers = tqdm(
             self.folded_layers(trained),
-            total=len(model_parts(self.cfg)),
+            total=len(pipe_parts(self.cfg)),
             desc="converting",
             unit="layer",
             file=sys.stderr,

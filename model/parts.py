@@ -1,89 +1,25 @@
 """The model's parts, written down once: their fairseq names, classes, arguments and shared tables.
 
 Everything that builds or names the model derives from `model_parts`: the single-process
-Transformer (model/transformer.py), the pipeline's LayerSpecs (pipeline/specs.py), the names of a
-checkpoint's layer files, export and the memory planner. Nothing here imports DeepSpeed.
-
-Each part also has a flat form, the class the pipeline builds: a subclass of the plain layer whose
-forward takes and returns one tuple of tensors, because that is all that crosses a stage boundary.
-Token ids ride along as integer tensors (never floats, which DeepSpeed would expect gradients for),
-so only the first stage reads inputs and only the last reads labels:
-
-    (src_tokens, prev_output_tokens)                      -> encoder embedding
-    (x, src_tokens, prev_output_tokens)                   -> encoder layers [, encoder.layer_norm]
-    (y, encoder_out, src_tokens)                          -> decoder embedding, decoder layers
-    y                                                     -> [decoder.layer_norm,] output projection
+Transformer (model/transformer.py), the pipeline's stage modules and LayerSpecs
+(pipeline/stage_modules.py, pipeline/specs.py), the names of a checkpoint's layer files, export and
+the memory planner. Every class here is a plain PyTorch module and nothing here imports DeepSpeed:
+the tuple-in, tuple-out forms its PipelineModule runs are pipeline/stage_modules.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.model_config import ModelConfig
 from model.norms import build_scheme
-
-Activations = tuple[Tensor, ...]
-
-
-class EncoderEmbeddingPipe(Embedding):
-    def forward(self, inputs: Activations) -> Activations:
-        src_tokens, prev_output_tokens = inputs
-        return self.embed(src_tokens), src_tokens, prev_output_tokens
-
-
-class EncoderLayerPipe(EncoderLayer):
-    def forward(self, inputs: Activations) -> Activations:
-        x, src_tokens, prev_output_tokens = inputs
-        return super().forward(x, src_tokens), src_tokens, prev_output_tokens
-
-
-class EncoderNormPipe(nn.LayerNorm):
-    def forward(self, inputs: Activations) -> Activations:
-        x, src_tokens, prev_output_tokens = inputs
-        return super().forward(x), src_tokens, prev_output_tokens
-
-
-def embed_decoder_inputs(embedding: Embedding, inputs: Activations) -> Activations:
-    encoder_out, src_tokens, prev_output_tokens = inputs
-    return embedding.embed(prev_output_tokens), encoder_out, src_tokens
-
-
-class DecoderEmbeddingPipe(Embedding):
-    def forward(self, inputs: Activations) -> Activations:
-        return embed_decoder_inputs(self, inputs)
-
-
-class DecoderLayerPipe(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, last: bool):
-        super().__init__(cfg)
-        # The last layer drops encoder_out: a float sent to a later stage that gets no gradient
-        # back stalls DeepSpeed's backward pass.
-        self.last = last
-
-    def forward(self, inputs: Activations) -> Activations | Tensor:
-        y, encoder_out, src_tokens = inputs
-        y = super().forward(y, encoder_out, src_tokens)
-        return y if self.last else (y, encoder_out, src_tokens)
-
-
-def project_output(embedding: Embedding, y: Tensor) -> Tensor:
-    return embedding.project(y)
-
-
-class OutputProjectionPipe(Embedding):
-    def forward(self, y: Tensor) -> Tensor:
-        return self.project(y)
-
-
-# The flat classes of Transformer layers: what stage cuts count and activation checkpointing wraps.
-TRANSFORMER_LAYERS = [EncoderLayerPipe.__name__, DecoderLayerPipe.__name__]
 
 
 @dataclass(frozen=True)
@@ -91,31 +27,25 @@ class Part:
     """One module of the model, under its fairseq name (encoder.layers.3, decoder.output_projection)."""
 
     name: str
-    plain: type[nn.Module]  # what the single-process Transformer builds
-    flat: type[nn.Module]  # what the pipeline builds: a subclass of `plain` taking one tuple
+    plain: type[nn.Module]
     args: tuple[Any, ...]
-    flat_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Parts with one `tie` share one module, built and saved by the first of them; each later use runs
-    # it through `tied_forward` (DeepSpeed's TiedLayerSpec forward_fn).
+    # Parts with one `tie` share one module, built and saved by the first of them; the later uses are
+    # `reused`.
     tie: str | None = None
-    tied_forward: Callable[[nn.Module, Any], Any] | None = None
+    reused: bool = False
 
     @property
     def saved(self) -> bool:
-        """Whether a checkpoint has a layer file for this part (a tied table: its first use only)."""
-        return self.tied_forward is None
+        """Whether a checkpoint has a layer file for this part (a shared table: its first use only)."""
+        return not self.reused
 
-    def build(self, flat: bool = False) -> nn.Module:
-        return self.flat(*self.args, **self.flat_kwargs) if flat else self.plain(*self.args)
-
-    def run(self, module: nn.Module, activations: Any) -> Any:
-        """What the pipeline runs for this part on `module`, its flat form (or a tied table)."""
-        return module(activations) if self.tied_forward is None else self.tied_forward(module, activations)
+    def build(self) -> nn.Module:
+        return self.plain(*self.args)
 
 
-def reuse(owner: Part, name: str, forward: Callable[[nn.Module, Any], Any]) -> Part:
-    """A later use of `owner`'s table under another name."""
-    return dataclasses.replace(owner, name=name, tied_forward=forward)
+def reuse(first: Part, name: str) -> Part:
+    """A later use of `first`'s table under another name."""
+    return dataclasses.replace(first, name=name, reused=True)
 
 
 def model_parts(cfg: ModelConfig) -> list[Part]:
@@ -124,43 +54,40 @@ def model_parts(cfg: ModelConfig) -> list[Part]:
     positions = cfg.max_positions if cfg.learned_pos else 0
     src = (cfg.src_vocab_size, dim, cfg.dropout, scheme.embedding_scale("encoder"), positions)
     tgt = (cfg.tgt_vocab_size, dim, cfg.dropout, scheme.embedding_scale("decoder"), positions)
-    encoder_embed = Part("encoder.embed_tokens", Embedding, EncoderEmbeddingPipe, src)
-    decoder_embed = Part("decoder.embed_tokens", Embedding, DecoderEmbeddingPipe, tgt)
-    output = Part("decoder.output_projection", Embedding, OutputProjectionPipe, (cfg.tgt_vocab_size, dim))
+    encoder_embed = Part("encoder.embed_tokens", Embedding, src)
+    decoder_embed = Part("decoder.embed_tokens", Embedding, tgt)
+    output = Part("decoder.output_projection", Embedding, (cfg.tgt_vocab_size, dim))
     # the tie keys name DeepSpeed's tied modules in checkpoints: they stay as they are
     if cfg.share_all_embeddings:
         encoder_embed = dataclasses.replace(encoder_embed, tie="embed")
-        decoder_embed = reuse(encoder_embed, decoder_embed.name, embed_decoder_inputs)
-        output = reuse(encoder_embed, output.name, project_output)
+        decoder_embed = reuse(encoder_embed, decoder_embed.name)
+        output = reuse(encoder_embed, output.name)
     elif cfg.share_decoder_input_output_embed:
         decoder_embed = dataclasses.replace(decoder_embed, tie="decoder_embed")
-        output = reuse(decoder_embed, output.name, project_output)
+        output = reuse(decoder_embed, output.name)
 
     final_norms = scheme.normalize_before
-    last = cfg.decoder_layers - 1
     return [
         encoder_embed,
-        *(Part(f"encoder.layers.{i}", EncoderLayer, EncoderLayerPipe, (cfg,)) for i in range(cfg.encoder_layers)),
-        *([Part("encoder.layer_norm", nn.LayerNorm, EncoderNormPipe, (dim,))] if final_norms else []),
+        *(Part(f"encoder.layers.{i}", EncoderLayer, (cfg,)) for i in range(cfg.encoder_layers)),
+        *([Part("encoder.layer_norm", nn.LayerNorm, (dim,))] if final_norms else []),
         decoder_embed,
-        *(
-            Part(f"decoder.layers.{i}", DecoderLayer, DecoderLayerPipe, (cfg,), {"last": i == last})
-            for i in range(cfg.decoder_layers)
-        ),
-        *([Part("decoder.layer_norm", nn.LayerNorm, nn.LayerNorm, (dim,))] if final_norms else []),
+        *(Part(f"decoder.layers.{i}", DecoderLayer, (cfg,)) for i in range(cfg.decoder_layers)),
+        *([Part("decoder.layer_norm", nn.LayerNorm, (dim,))] if final_norms else []),
         output,
     ]
 
 
-def build_parts(parts: Iterable[Part], flat: bool = False) -> Iterator[nn.Module]:
-    """A module for each part in either form, tied parts sharing one, built one at a time as the
+def build_parts(parts: Iterable[Part]) -> Iterator[nn.Module]:
+    """A module for each part (`part.build()`: its plain class here, its pipe class for a
+    pipeline/stage_modules.PipePart), a shared table's uses sharing one, built one at a time as the
     caller asks for it (export streams a deep model); modules are in training mode."""
     tables: dict[str, nn.Module] = {}
     for part in parts:
-        if part.tied_forward is not None:
+        if part.reused:
             yield tables[part.tie]
             continue
-        module = part.build(flat)
+        module = part.build()
         if part.tie is not None:
             tables[part.tie] = module
         yield module

@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 
 from model.model_config import ModelConfig
-from model.parts import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, model_parts
 from pipeline.deepspeed_internals import ExternallyPartitioned
+from pipeline.stage_modules import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, pipe_parts
 
 # Attention scores cost ~2 L d multiply-adds per token and attention; L is not known when the stages
 # are cut, so a typical sentence length stands in.
@@ -35,10 +35,10 @@ def layer_costs(cfg: ModelConfig) -> list[int]:
     attention = 4 * d * d + 2 * NOMINAL_LENGTH * d
     ffn = 2 * d * f
     costs = []
-    for part in model_parts(cfg):
-        if part.flat is EncoderLayerPipe:
+    for part in pipe_parts(cfg):
+        if part.pipe_class is EncoderLayerPipe:
             costs.append(attention + ffn)
-        elif part.flat is DecoderLayerPipe:
+        elif part.pipe_class is DecoderLayerPipe:
             costs.append(2 * attention + ffn)
         elif part.name == "decoder.output_projection":
             costs.append(cfg.tgt_vocab_size * (d + LOSS_COST_PER_LOGIT))
@@ -85,7 +85,7 @@ def cut_stages(cfg: ModelConfig, stages: int) -> tuple[list[int], list[int]]:
     Transformer layer: a stage of only the output layer idles through most of the step (and its
     tied-embedding-only processes crashed at exit in DeepSpeed 0.19)."""
     costs = layer_costs(cfg)
-    layers = [part.flat.__name__ in TRANSFORMER_LAYERS for part in model_parts(cfg)]
+    layers = [part.pipe_class.__name__ in TRANSFORMER_LAYERS for part in pipe_parts(cfg)]
     bounds = balanced_bounds(costs, stages, layers)
     return bounds, [sum(costs[start:stop]) for start, stop in itertools.pairwise(bounds)]
 

@@ -27,7 +27,6 @@ from corpus.dataset import PreparedData, write_dictionaries
 from model.layers import compile_layers
 from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook, build_scheme
-from model.parts import TRANSFORMER_LAYERS
 from pipeline import admin_profile
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.data_position import POSITION, data_order, position_record
@@ -47,6 +46,7 @@ from pipeline.safety.metrics import MetricsLog
 from pipeline.safety.signals import stop_on_signals
 from pipeline.safety.watchdog import Watchdog
 from pipeline.specs import layer_specs
+from pipeline.stage_modules import TRANSFORMER_LAYERS
 from pipeline.validation import Best, Validation, validation_line
 
 SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at

@@ -14,7 +14,7 @@ ALLOWED = {
     "corpus": {"common", "model"},
     "pipeline": {"common", "model", "corpus"},
     "translation": {"common", "model", "corpus"},
-    "convert": {"common", "model", "corpus"},
+    "convert": {"common", "model", "corpus", "pipeline"},  # export runs the trained layers as the pipeline did
     "tools": {"common", "model", "corpus", "pipeline", "translation", "convert"},
     "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "tools"},
 }

@@ -14,6 +14,7 @@ from model.loss import label_smoothed_cross_entropy
 from model.model_config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from model.parts import build_parts, model_parts
 from model.transformer import Transformer
+from pipeline.stage_modules import pipe_parts
 
 
 def test_attention_equals_softmax_formula_with_padding_mask():
@@ -138,7 +139,7 @@ def test_micro_batches_resume_at_any_step(ranks):
 @pytest.mark.parametrize("share", ["none", "decoder", "all"])
 def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
     """The single-process Transformer holds every part under the part's name, a shared table as one
-    module under each of its names, and nothing else; the flat (pipeline) form of a part has the same
+    module under each of its names, and nothing else; the pipe (pipeline) form of a part has the same
     parameters by name and shape, so one checkpoint file loads into either."""
     cfg = ModelConfig(
         encoder_layers=2, decoder_layers=3, embed_dim=8, ffn_dim=16, attention_heads=2, src_vocab_size=16,
@@ -154,10 +155,10 @@ def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
     assert sum(p.numel() for p in model.parameters()) == sum(
         p.numel() for part in saved for p in model.get_submodule(part.name).parameters()
     )
-    for part, flat in zip(parts, build_parts(parts, flat=True), strict=True):
+    for part, pipe in zip(parts, build_parts(pipe_parts(cfg)), strict=True):
         plain = model.get_submodule(part.name)
-        assert isinstance(flat, type(plain))
-        assert {k: v.shape for k, v in flat.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+        assert isinstance(pipe, type(plain))
+        assert {k: v.shape for k, v in pipe.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
 
 
 def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():

@@ -15,11 +15,11 @@ from model import SCHEMES
 from model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook
-from model.parts import TRANSFORMER_LAYERS, model_parts
 from model.search import SearchConfig, beam_search
 from model.trained import load_reference, model_config
 from pipeline.config.run_config import build_corpus, load_config, resolve_run
 from pipeline.partition import stage_bounds
+from pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
 from pipeline.train import profile_batch
 from tests.helpers import ROOT, launch
 from tests.workers.parity import SEARCH
@@ -144,7 +144,7 @@ def test_each_rank_builds_only_its_own_stage(parity_runs):
     (LayerSpecs are built lazily): none built the whole model and kept a part."""
     _, out, _ = parity_runs
     ranks = [json.loads((out / "post_ln" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    kinds = [part.flat.__name__ for part in model_parts(model_config(out / "post_ln"))]
+    kinds = [part.pipe_class.__name__ for part in pipe_parts(model_config(out / "post_ln"))]
     assert len(kinds) == 2 + 2 + 3 + 1  # embeddings, encoder layers, decoder layers, output projection
     assert ranks[0]["start"] == 0 and ranks[0]["stop"] == ranks[1]["start"] and ranks[1]["stop"] == len(kinds)
     assert 0 < ranks[0]["stop"] < len(kinds)

@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from common.errors import ConfigError
 from model.loss import label_smoothed_cross_entropy
 from model.model_config import DTYPES, NUM_SPECIAL
-from model.parts import TRANSFORMER_LAYERS, Part, model_parts
 from pipeline.config import deepspeed_values
 from pipeline.config.run_config import RunConfig
+from pipeline.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
 
 
 @dataclass
@@ -58,11 +58,11 @@ def _saved_bytes(run: Callable[[], object], skip: set[int]) -> tuple[object, int
     return output, sum(saved.values())
 
 
-def _module_key(part: Part) -> str:
+def _module_key(part: PipePart) -> str:
     """Parts with one key build equal modules (tied ones: the same module)."""
     if part.tie is not None:
         return f"tied:{part.tie}"
-    return repr((part.flat, part.args, part.flat_kwargs))
+    return repr((part.pipe_class, part.args, part.kwargs))
 
 
 def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
@@ -76,12 +76,12 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
     modules: dict[str, nn.Module] = {}
     done: dict[str, tuple[LayerTrace, object]] = {}
     traces = []
-    for part in model_parts(cfg.model):
+    for part in pipe_parts(cfg.model):
         module_key = _module_key(part)
         key = f"{module_key}/{part.tied_forward}"
         if key not in done:
             if module_key not in modules:
-                modules[module_key] = part.build(flat=True).to(dtype).train()
+                modules[module_key] = part.build().to(dtype).train()
             module = modules[module_key]
             # every decoder layer reads the same encoder_out: the stage holds it once
             riding = value[1:] if isinstance(value, tuple) else ()
@@ -94,7 +94,7 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
                 saved=saved,
                 stream=floats[0] if floats else 0,
                 riders=sum(floats[1:]),
-                checkpointable=part.flat.__name__ in TRANSFORMER_LAYERS,
+                checkpointable=part.pipe_class.__name__ in TRANSFORMER_LAYERS,
             )
             done[key] = (trace, output)
         trace, value = done[key]

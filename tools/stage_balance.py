@@ -17,8 +17,9 @@ from torch import nn
 from corpus.batches import MicroBatch
 from model.loss import label_smoothed_cross_entropy
 from model.model_config import ModelConfig
-from model.parts import build_parts, model_parts
+from model.parts import build_parts
 from pipeline.partition import stage_bounds
+from pipeline.stage_modules import pipe_parts
 from tools.training_speed import time_steps
 
 
@@ -34,8 +35,8 @@ class StageTime:
 def built_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]]]:
     """Every part built once in this process in its pipeline form (tied parts share their module),
     with the callable the engine runs."""
-    parts = model_parts(cfg)
-    modules = build_parts(parts, flat=True)
+    parts = pipe_parts(cfg)
+    modules = build_parts(parts)
     return [(module, partial(part.run, module)) for part, module in zip(parts, modules, strict=True)]
 
 

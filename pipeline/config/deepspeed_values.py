@@ -16,8 +16,8 @@ import torch
 from common.errors import ConfigError, unknown_key_error
 from common.files import check_makeable
 from model.model_config import ModelConfig
-from model.parts import model_parts
 from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
+from pipeline.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py
@@ -232,7 +232,7 @@ def check_partition(partition: Any, cfg: ModelConfig) -> None:
         pattern = re.compile(partition[len("type:") :], re.IGNORECASE)
     except re.error as err:
         raise ConfigError(f"pipeline.partition: {partition!r} is not a regular expression ({err})") from None
-    names = {part.flat.__name__ for part in model_parts(cfg)}
+    names = {part.pipe_class.__name__ for part in pipe_parts(cfg)}
     if not any(pattern.search(name) for name in names):
         raise ConfigError(
             f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"

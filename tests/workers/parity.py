@@ -19,12 +19,12 @@ import torch.distributed as dist
 from common.run_layout import CONFIG_FILE
 from corpus.batches import MicroBatches
 from model.norms import ScheduleHook, build_scheme
-from model.parts import DecoderLayerPipe, EncoderLayerPipe
 from pipeline import admin_profile
 from pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
 from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.launched import init_distributed, run_launched
+from pipeline.stage_modules import DecoderLayerPipe, EncoderLayerPipe
 from pipeline.train import build_engine, profile_batch
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4

@@ -86,9 +86,10 @@ class ScaleFolder:
         self.producer = plain
 
     def _fold_sublayer(self, plain: nn.Module, residual: nn.Module, inputs: tuple[str, ...], output: str) -> None:
-        if not hasattr(residual, "scales"):  # Pre-LN: nothing to fold
+        scales = residual.scales()
+        if scales is None:
             return
-        stream, branch = residual.scales()
+        stream, branch = scales
         factor = branch
         if isinstance(stream, torch.Tensor) or isinstance(self.producer, nn.LayerNorm):  # exact
             check_invertible(stream)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from common.errors import ConfigError
 from common.sections import START_ONLY
 from model import SCHEMES, ModelConfig, NormScheme
-from model.layers import DecoderLayer, EncoderLayer
+from model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
 from model.norms import ScheduleHook, branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
 from pipeline.checkpoint.saving import start_only_settings
@@ -282,3 +282,22 @@ def test_a_scheme_declares_the_options_a_resume_may_not_change(monkeypatch):
     settings = start_only_settings()
     assert {"train.init_from", "train.init_step", "model.admin.profile", "model.profiled_test.warmup"} <= set(settings)
     assert "model.profiled_test.scale" not in settings
+
+
+@pytest.mark.parametrize("scheme", ["post_ln", "admin", "sub_ln"])
+@pytest.mark.parametrize("layer_cls", [EncoderLayer, DecoderLayer])
+def test_sublayers_declares_each_layers_modules_in_the_order_forward_meets_them(scheme, layer_cls):
+    """Admin's profile and export's fold walk a layer by model.layers.SUBLAYERS, not by their own tables."""
+    layer = layer_cls(config(scheme)).eval()
+    declared = SUBLAYERS[layer.side]
+    residuals = [name for name, _ in layer.named_children() if name.endswith("_residual")]
+    assert sorted(residuals) == sorted(sublayer.residual for sublayer in declared)
+    for sublayer in declared:
+        for name in (sublayer.layer_norm, *sublayer.inputs, sublayer.output):
+            layer.get_submodule(name)  # raises for a name the layer does not have
+    met = []
+    for name in residuals:
+        layer.get_submodule(name).register_forward_pre_hook(lambda module, args, name=name: met.append(name))
+    x, tokens = torch.randn(2, 3, 32), torch.full((2, 3), 5)
+    layer(x, tokens) if layer_cls is EncoderLayer else layer(x, x, tokens)
+    assert met == [sublayer.residual for sublayer in declared]

@@ -1,6 +1,6 @@
 """Files and directories that are whole once written, or never appear: a crash, a full disk or a closed
 pipe leaves the old file or a one-line error naming the file, never a partial file that loads as
-garbage; and the checks that an output can be written, before the work that produces it."""
+garbage."""
 
 from __future__ import annotations
 
@@ -8,15 +8,12 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-
-from common.errors import ConfigError
-from common.run_layout import LATEST, META_FILE, MODEL_STATES, is_run
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,105 +85,6 @@ def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) ->
                 raise
             raise writer.error from None
         os.fsync(f.fileno())
-
-
-def check_makeable(out: Path, name: str) -> None:
-    """`out` is a directory, or one that can be made: found out by making (and removing) a directory in
-    its nearest existing ancestor, which leaves nothing behind. `name`: the option that gave it."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{name}: {out} is a file; choose a directory")
-    chain = (out.absolute(), *out.absolute().parents)
-    if dangling := next((p for p in chain if p.is_symlink() and not p.exists()), None):
-        raise ConfigError(
-            f"{name}: {dangling} is a link to {os.readlink(dangling)}, which does not exist; create that "
-            "directory, or remove the link"
-        )
-    existing = next(p for p in chain if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{name}: {existing} is a file, so {out} cannot be made; choose another")
-    for folder in chain[1:]:  # what fathom checksums, or replaces and deletes whole, holds nothing else
-        if (folder / META_FILE).exists():
-            raise ConfigError(f"{name}: {out} is inside the prepared data directory {folder}; choose another")
-        if (folder / MODEL_STATES).exists():
-            raise ConfigError(
-                f"{name}: {out} is inside the checkpoint {folder}, which holds only its own files (a best one is "
-                "deleted whole once superseded); choose another"
-            )
-    check_writable_folder(existing, f"{name}:")
-
-
-def check_writable_folder(folder: Path, name: str) -> None:
-    """New entries can be made in `folder`: tried by making (and removing) one."""
-    try:
-        tempfile.TemporaryDirectory(dir=folder, prefix=".fathom-write-test-").cleanup()
-    except OSError as err:
-        raise ConfigError(f"{name} cannot write in {folder} ({err.strerror}); choose another") from None
-
-
-def check_writable_file(path: Path, name: str, inputs: Mapping[str, str | Path | None] | None = None) -> None:
-    """`path` can be written (atomically, beside itself): not a directory, in a directory that takes new
-    files, and none of the command's `inputs` (what reads them: path). Checked before the work that
-    produces it."""
-    if path.is_dir():
-        raise ConfigError(f"{name} {path}: is a directory; name a file")
-    if path.exists() and not path.is_file():  # a device or pipe, e.g. /dev/stdout: written in place
-        if not os.access(path, os.W_OK):
-            raise ConfigError(f"{name} {path}: not writable; choose another")
-        return
-    target = Path(os.path.realpath(path))  # a link's target is what gets replaced
-    folder = target.parent
-    if not folder.is_dir():
-        raise ConfigError(f"{name} {path}: {folder} is not a directory; create it or choose another")
-    check_not_fathoms(target, f"{name} {path}")
-    check_not_an_input(path, name, inputs or {})
-    check_writable_folder(folder, f"{name} {path}:")
-
-
-def check_not_an_input(path: Path, name: str, inputs: Mapping[str, str | Path | None]) -> None:
-    """An output file is none of the files its command reads, however either path is spelled (relative,
-    through a link, a hard link): written there, the input would be lost, or (a hard link) split from it."""
-    for what, source in inputs.items():
-        if source is not None and path.is_file() and Path(source).is_file() and os.path.samefile(path, source):
-            raise ConfigError(
-                f"{name} {path}: is the same file as {what} {source}, which it reads; choose another file"
-            )
-
-
-def check_not_fathoms(target: Path, name: str) -> None:
-    """An output never lands among the files fathom reads back: a prepared data directory (every file
-    checksummed), a run's checkpoints (its subdirectories), or a run's records, which are JSON, JSONL,
-    torch files and `latest`; tools write their text and images beside those (generate.py's
-    SAVE_DIR/generate-test.txt)."""
-    folder = target.parent
-    if (folder / META_FILE).exists():
-        raise ConfigError(f"{name}: inside the prepared data directory {folder}; write it elsewhere")
-    if is_run(folder.parent):
-        raise ConfigError(f"{name}: inside the checkpoint {folder}; write it elsewhere")
-    if (
-        is_run(folder)
-        and target.exists()
-        and (target.suffix in (".json", ".jsonl", ".pt", ".py") or target.name == LATEST)
-    ):
-        raise ConfigError(f"{name}: would replace the training run's {target.name}; choose another file")
-
-
-def check_output_dir(out: Path, force: bool, marker: str, inputs: Iterable[Path | str]) -> None:
-    """An output directory that is new, empty, or, with --force, an earlier output of the same script:
-    one holding `marker`, the file that script writes. --force never deletes anything else (a training
-    run, the data, the current directory), nor a directory holding one of the `inputs`."""
-    check_makeable(out, "--out")
-    where = out.resolve()
-    for path, what in ((Path.cwd(), "the current directory"), *((Path(p), f"the input {p}") for p in inputs)):
-        if where == path.resolve() or where in path.resolve().parents:
-            raise ConfigError(f"--out {out}: is or holds {what}, which replacing it would delete; choose another")
-    if out.exists() and any(out.iterdir()):
-        if not force:
-            raise ConfigError(f"{out}: already exists; choose a new --out or pass --force to replace it")
-        if not (out / marker).is_file():
-            raise ConfigError(
-                f"--out {out}: exists and was not written by this script (no {marker}), so --force does not "
-                "replace it; choose another directory"
-            )
 
 
 @contextmanager

@@ -1,27 +1,17 @@
-"""The layout of a run directory (train.save_dir) and of its checkpoints, owned here and nowhere else:
-the names of everything a run keeps, the tags (`global_stepN`, `best_global_stepN`, `avg_*`), `latest`
-and `best`, the manifest that commits a checkpoint, and which tags are committed. Saving
-(pipeline/checkpoint/saving.py), resuming, averaging and reading all go through it.
-
-A pipeline checkpoint holds one file per layer with parameters, named by the layer's index in the spec
-list (layer_07-..., layer_123-...; tied re-uses have none); model.parts.saved_names says which module
-of the single-process model each file belongs to. Reading needs no DeepSpeed (translation and export
-run without it); only DeepSpeed's own state files name its classes.
+"""The layout of a run directory (train.save_dir), owned here and nowhere else: the names of everything
+a run keeps, the tags of its checkpoints (`global_stepN`, `best_global_stepN`, `avg_*`), `latest` and
+`best`, and which tags are committed. Saving (pipeline/checkpoint/saving.py), resuming, averaging and
+reading all go through it; what a checkpoint holds inside its tag is common/checkpoint_format.py's.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
-import pickle
 import re
-import zipfile
 from pathlib import Path
-from typing import Any
 
-import torch
-
+from common.checkpoint_format import MANIFEST
 from common.errors import ConfigError
 
 # What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
@@ -46,9 +36,6 @@ RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, MET
                TRANSLATIONS, TIME_BREAKDOWN_FILE, MEMORY_FILE, HEARTBEAT_FILE.format(rank="*"), LOCK_FILE,
                PROFILE_FILE, *TOOL_OUTPUTS)  # fmt: skip
 
-# Inside a checkpoint tag
-MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's: the module's and the engine's counters
-MANIFEST = "fathom_manifest.json"  # a committed checkpoint's files and step (pipeline/checkpoint/saving.py)
 STEP_TAG = re.compile(r"global_step(\d+)")  # DeepSpeed's default tag, which training keeps
 TRAINING_TAG = re.compile(rf"(?:{BEST}_)?{STEP_TAG.pattern}")  # what training names its checkpoints
 
@@ -75,17 +62,6 @@ def reserved_name(name: str) -> bool:
     """Whether training may write `name` into SAVE_DIR: a record, or a tag it names its checkpoints by
     (any global_step* or best_global_step* name, finished or not)."""
     return run_record(name) or name.startswith((step_tag(""), best_tag("")))
-
-
-def deepspeed_state_types() -> list[type]:
-    """The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
-    torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
-    fp16 runs (GPU only) save DynamicLossScaler where the others save LossScaler."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def latest_tag(save_dir: str | Path) -> str | None:
@@ -145,96 +121,6 @@ def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
     return path
 
 
-def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
-    """None for a checkpoint written before fathom committed checkpoints (or by plain DeepSpeed)."""
-    path = checkpoint / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def file_damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
-    """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
-    against the zip archive's CRC-32s (torch's format), which reads the whole file."""
-    if not path.exists():
-        return f"{path}: missing; restore the file or start a new run"
-    if path.stat().st_size != entry["bytes"]:
-        return (
-            f"{path}: {path.stat().st_size} bytes, but {entry['bytes']} when it was saved; the file is truncated "
-            "or damaged: restore it or start a new run"
-        )
-    if read and entry["zip"]:
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except zipfile.BadZipFile:
-            bad = "the archive"
-        if bad is not None:
-            return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
-    return None
-
-
-def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = (), verify: bool = True) -> Any:
-    """torch.load that cannot run code (weights_only; `allowed` names the plain-data classes a format
-    needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling. A
-    file of a committed checkpoint is first checked against its manifest (unless the caller has
-    `verify`-ed it already): torch.load reads flipped bytes in a tensor without complaint."""
-    path = Path(path)
-    manifest = read_manifest(path.parent) if verify else None
-    if manifest is not None and path.name in manifest["files"]:
-        if problem := file_damage(path, manifest["files"][path.name], read=True):
-            raise ConfigError(problem)
-    try:
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "GLOBAL " not in str(err):  # not a refused class: garbage where a pickle should be
-            raise ConfigError(f"{path}: unreadable ({err}); the file is damaged or not a checkpoint") from None
-        name = str(err).partition("GLOBAL ")[2].split(" ", 1)[0]
-        raise ConfigError(
-            f"{path}: holds {name}, which fathom does not unpickle (it could run code); "
-            "load only checkpoints written by fathom or DeepSpeed"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(f"{path}: unreadable ({first}); the file is truncated or not a checkpoint") from None
-
-
-def layer_file(checkpoint: Path, index: int) -> Path:
-    return checkpoint / f"layer_{index:02d}-model_states.pt"
-
-
-def model_states(checkpoint: Path) -> dict[str, Any] | None:
-    """DeepSpeed's mp_rank_00_model_states.pt of a checkpoint (its step counters), None if absent."""
-    path = checkpoint / MODEL_STATES
-    if not path.exists():
-        return None
-    try:
-        return load_file(path)
-    except ConfigError:  # it names DeepSpeed's classes (ZeRO 0's optimizer state, fp16's loss scaler)
-        return load_file(path, allowed=deepspeed_state_types())
-
-
-def global_step(checkpoint: Path) -> int:
-    """The optimizer steps a checkpoint had taken: from fathom's manifest, else from DeepSpeed's
-    model-states file (weights converted from fairseq have neither: step 0)."""
-    if (checkpoint / MANIFEST).exists():
-        return int(json.loads((checkpoint / MANIFEST).read_text())["step"])
-    states = model_states(checkpoint)
-    return 0 if states is None else int(states["global_steps"])
-
-
-def schedule_step(checkpoint: Path) -> int:
-    """The step a checkpoint's step-dependent values (BranchNorm's alpha_t) belong to: the updates its
-    run applied (steps skipped as non-finite do not count) plus the step train.init_from's weights
-    started at. Checkpoints from before fathom recorded it: global steps less skipped ones."""
-    manifest = read_manifest(checkpoint)
-    if manifest is not None and "schedule_step" in manifest:
-        return int(manifest["schedule_step"])
-    states = model_states(checkpoint)
-    if states is None:
-        return 0 if manifest is None else int(manifest["step"])
-    return int(states.get("schedule_step", states["global_steps"] - states.get("skipped_steps", 0)))
-
-
 def is_run(folder: Path) -> bool:
     """Whether `folder` is a training run's SAVE_DIR."""
     return (folder / CONFIG_FILE).exists() and (folder / LATEST).exists()
@@ -245,7 +131,7 @@ def committed(checkpoint: Path, latest: int) -> bool:
     best ones are staged whole); a global_stepN is once it has a manifest, or (runs from before manifests)
     when its step is not past `latest`'s, which a save moves last."""
     match = STEP_TAG.fullmatch(checkpoint.name)
-    return match is None or read_manifest(checkpoint) is not None or int(match[1]) <= latest
+    return match is None or (checkpoint / MANIFEST).exists() or int(match[1]) <= latest
 
 
 def committed_checkpoints(save_dir: Path) -> list[tuple[int, Path]]:

@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 from common.errors import ConfigError, unknown_key_error
 
 T = TypeVar("T")
+# Field metadata of a setting that acts only when a run starts (on its first weights): a resume that
+# changed it would silently ignore it, so resuming refuses the change (pipeline/checkpoint/saving.py).
+START_ONLY = {"start_only": True}
 
 
 def _type_name(tp: Any) -> str:
@@ -74,3 +77,8 @@ def parse_section(cls: type[T], data: Any, where: str) -> T:
             raise unknown_key_error(f"{where}.{key}", names)
     values = {key: _check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
     return cls(**values)
+
+
+def start_only(cls: type, where: str) -> list[str]:
+    """The dotted keys of section `cls` (read at `where`) whose fields are declared START_ONLY."""
+    return [f"{where}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("start_only")]

@@ -16,8 +16,8 @@ sum (float64) and one layer file, never a whole model, let alone K of them.
 
 The new tag SAVE_DIR/TAG (default avg_lastK for --last; for --tags avg_ and the tags' names without
 `global_step`, oldest first: --tags global_step2000 global_step1800 writes avg_1800_2000) holds the
-averaged layer files, an mp_rank_00_model_states.pt that holds nothing but the newest checkpoint's
-`global_steps` and `schedule_step`, and fathom_average.json (what was averaged). scripts/generate.py and
+averaged layer files, fathom_average.json (what was averaged) and a manifest (common/checkpoint_format.py)
+recording every file and the newest checkpoint's step and schedule step. scripts/generate.py and
 scripts/convert_to_fairseq.py read it like any other tag (--tag TAG). Its step is the NEWEST averaged
 checkpoint's, so values computed from the step (BranchNorm's alpha_t) are the ones the newest of the
 averaged weights were trained with; no step matches a mean of weights exactly, and the newest is where
@@ -40,22 +40,26 @@ from typing import Any
 
 import torch
 
+from common.checkpoint_format import (
+    file_damage,
+    global_step,
+    layer_file,
+    load_file,
+    manifest_files,
+    new_manifest,
+    read_manifest,
+    schedule_step,
+    write_manifest,
+)
 from common.errors import ConfigError, exit_on_config_error
 from common.files import fsync_dir, save_file, staged
 from common.run_layout import (
     CONFIG_FILE,
-    MODEL_STATES,
     committed,
     committed_checkpoints,
-    file_damage,
-    global_step,
     latest_step,
-    layer_file,
-    load_file,
     plain_name,
-    read_manifest,
     reserved_name,
-    schedule_step,
     tag_step,
 )
 from model.model_config import ModelConfig
@@ -223,10 +227,10 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
     with staged(save_dir / out_tag) as staging:
         for name in names:
             save_file(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
-        states = {"global_steps": summary["global_steps"], "schedule_step": schedule_step(checkpoints[-1][1])}
-        save_file(states, staging / MODEL_STATES)
         (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        fsync_dir(staging)
+        newest = checkpoints[-1][1]
+        files = manifest_files(staging)
+        write_manifest(staging, new_manifest(out_tag, summary["global_steps"], schedule_step(newest), files, None))
     fsync_dir(save_dir)
     return summary
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from common.checkpoint_format import layer_file
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_output_dir, save_file, staged
-from common.run_layout import CONFIG_FILE, LATEST, layer_file
+from common.files import save_file, staged
+from common.outputs import check_output_dir
+from common.run_layout import CONFIG_FILE, LATEST
 from convert.to_fairseq import fairseq_key
 from model.model_config import ModelConfig
 from model.norms import model_section

@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from common.checkpoint_format import layer_file, load_file, schedule_step
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_output_dir, save_file, staged
-from common.run_layout import checkpoint_dir, layer_file, load_file, schedule_step
+from common.files import save_file, staged
+from common.outputs import check_output_dir
+from common.run_layout import checkpoint_dir
 from corpus.batches import collate
 from corpus.dataset import BinarizedCorpus, check_vocab
 from model.fold import folded

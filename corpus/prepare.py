@@ -29,7 +29,8 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from common.errors import ConfigError, check_number, exit_on_config_error
-from common.files import check_output_dir, staged
+from common.files import staged
+from common.outputs import check_output_dir
 from common.run_layout import META_FILE
 from corpus import filters, subwords
 from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap

@@ -33,6 +33,7 @@ from torch import nn
 from common.errors import ConfigError
 from common.files import write_atomic
 from common.run_layout import PROFILE_FILE
+from model.layers import SUBLAYERS
 from model.model_config import ModelConfig
 from model.norms import AdminResidual
 
@@ -42,15 +43,10 @@ Variances = dict[str, tuple[float, float]]
 
 def sublayers(cfg: ModelConfig) -> dict[str, list[str]]:
     """The residual modules of each stack in the order the forward pass meets them."""
+    depth = {"encoder": cfg.encoder_layers, "decoder": cfg.decoder_layers}
     return {
-        "encoder": [
-            f"encoder.layers.{i}.{s}_residual" for i in range(cfg.encoder_layers) for s in ("self_attn", "ffn")
-        ],
-        "decoder": [
-            f"decoder.layers.{i}.{s}_residual"
-            for i in range(cfg.decoder_layers)
-            for s in ("self_attn", "encoder_attn", "ffn")
-        ],
+        side: [f"{side}.layers.{i}.{sublayer.residual}" for i in range(depth[side]) for sublayer in SUBLAYERS[side]]
+        for side in SUBLAYERS
     }
 
 

@@ -26,21 +26,10 @@ from torch import nn
 
 from common.errors import ConfigError
 from model.embedding import Embedding, sinusoidal_table
-from model.layers import TransformerLayer
-from model.norms import build_scheme
+from model.layers import SUBLAYERS, Sublayer, TransformerLayer
+from model.norms import Residual, build_scheme
 from model.parts import module_names
 from model.transformer import Transformer
-
-# residual module: (projections reading the residual stream, the branch's last projection, LayerNorm after)
-SUBLAYERS = {
-    "self_attn_residual": (
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "self_attn.out_proj",
-        "self_attn_layer_norm",
-    ),
-    "encoder_attn_residual": (("encoder_attn.q_proj",), "encoder_attn.out_proj", "encoder_attn_layer_norm"),
-    "ffn_residual": (("fc1",), "fc2", "final_layer_norm"),
-}
 
 # An omega entry this close to 0 would put a huge 1/omega into the next projections.
 SMALLEST_SCALE = 1e-6
@@ -76,31 +65,31 @@ class ScaleFolder:
         elif isinstance(original, TransformerLayer):
             plain_keys = plain.state_dict().keys()
             plain.load_state_dict({k: v for k, v in original.state_dict().items() if k in plain_keys})
-            for residual, (inputs, output, layer_norm) in SUBLAYERS.items():
-                if hasattr(original, residual):
-                    self._fold_sublayer(plain, getattr(original, residual), inputs, output)
-                    self.producer = plain.get_submodule(layer_norm)
+            for sublayer in SUBLAYERS[original.side]:
+                self._fold_sublayer(plain, original.get_submodule(sublayer.residual), sublayer)
+                self.producer = plain.get_submodule(sublayer.layer_norm)
             return
         else:  # a stack's final LayerNorm (Pre-LN)
             plain.load_state_dict(original.state_dict())
         self.producer = plain
 
-    def _fold_sublayer(self, plain: nn.Module, residual: nn.Module, inputs: tuple[str, ...], output: str) -> None:
-        if not hasattr(residual, "scales"):  # Pre-LN: nothing to fold
+    def _fold_sublayer(self, plain: nn.Module, residual: Residual, sublayer: Sublayer) -> None:
+        scales = residual.scales()
+        if scales is None:
             return
-        stream, branch = residual.scales()
+        stream, branch = scales
         factor = branch
         if isinstance(stream, torch.Tensor) or isinstance(self.producer, nn.LayerNorm):  # exact
             check_invertible(stream)
             scale_output(self.producer, stream)
-            for name in inputs:
+            for name in sublayer.inputs:
                 plain.get_submodule(name).weight.div_(stream)
         else:
             # A scalar behind the embedding, whose table may be the tied output projection and whose
             # sinusoids cannot scale: LayerNorm's scale invariance, exact but for its eps.
             factor = branch / stream
         if factor != 1.0:
-            projection = plain.get_submodule(output)
+            projection = plain.get_submodule(sublayer.output)
             projection.weight.mul_(factor)
             projection.bias.mul_(factor)
 

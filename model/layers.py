@@ -1,7 +1,8 @@
 """Attention and the encoder/decoder layers, with fairseq's parameter names.
 
 Each sublayer's residual connection and normalization come from the configured norm scheme
-(model/norms.py); the layers only say what the branches compute.
+(model/norms.py); the layers only say what the branches compute. SUBLAYERS names each sublayer's
+modules once, for what walks a layer from outside (Admin's profile, export's fold).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import importlib.util
 import math
 import os
 import shutil
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -94,14 +97,39 @@ class MultiheadAttention(nn.Module):
         return self.out_proj(self.inner_attn_ln(out.reshape(rows, length, heads * head_dim)))
 
 
+@dataclass(frozen=True)
+class Sublayer:
+    """One sublayer of a layer by its modules' names: `name`_residual joins its branch to the residual
+    stream with `layer_norm` (fairseq's name); `inputs` are the projections reading the stream, `output`
+    the branch's last projection."""
+
+    name: str
+    layer_norm: str
+    inputs: tuple[str, ...]
+    output: str
+
+    @property
+    def residual(self) -> str:
+        return f"{self.name}_residual"
+
+
+SELF_ATTN = Sublayer("self_attn", "self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "self_attn.out_proj")  # fmt: skip
+ENCODER_ATTN = Sublayer("encoder_attn", "encoder_attn_layer_norm", ("encoder_attn.q_proj",), "encoder_attn.out_proj")
+FFN = Sublayer("ffn", "final_layer_norm", ("fc1",), "fc2")
+# Each side's sublayers in the order the forward pass meets them.
+SUBLAYERS: dict[Side, tuple[Sublayer, ...]] = {"encoder": (SELF_ATTN, FFN), "decoder": (SELF_ATTN, ENCODER_ATTN, FFN)}
+
+
 class TransformerLayer(nn.Module):
     """Self-attention, cross-attention (decoder only) and FFN sublayers, each joined to the residual
     stream by the norm scheme's residual module."""
 
-    def __init__(self, cfg: ModelConfig, side: Side):
+    side: ClassVar[Side]
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        scheme = build_scheme(cfg)
-        dim = cfg.embed_dim
+        scheme, dim, side = build_scheme(cfg), cfg.embed_dim, self.side
         self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout, scheme.inner_norm(dim))
         self.self_attn_layer_norm = scheme.layer_norm(dim)
         self.self_attn_residual = scheme.residual(side)
@@ -123,8 +151,7 @@ class TransformerLayer(nn.Module):
 
 
 class EncoderLayer(TransformerLayer):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, "encoder")
+    side = "encoder"
 
     def forward(self, x: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
         mask = key_mask(src_tokens)
@@ -133,8 +160,7 @@ class EncoderLayer(TransformerLayer):
 
 
 class DecoderLayer(TransformerLayer):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, "decoder")
+    side = "decoder"
 
     def forward(
         self, x: torch.Tensor, encoder_out: torch.Tensor, src_tokens: torch.Tensor, cache: LayerCache | None = None

@@ -24,14 +24,26 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
-from common.sections import parse_section
+from common.sections import START_ONLY, parse_section, start_only
 from model.model_config import ModelConfig
 
 Side = Literal["encoder", "decoder"]
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
 
-class PostNorm(nn.Module):
+class Residual(nn.Module):
+    """Joins one sublayer's branch F to the residual stream: each scheme's residual module is one."""
+
+    def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scales(self) -> tuple[float | torch.Tensor, float] | None:
+        """(s, b) of LN(s * x + b * F(x)): what export folds into a plain Post-LN sublayer (model/fold.py);
+        None where there is nothing to fold (Pre-LN's residual is the plain model's already)."""
+        return None
+
+
+class PostNorm(Residual):
     """x_{l+1} = LN(residual_scale * x_l + branch_scale * F(x_l))."""
 
     def __init__(self, residual_scale: float = 1.0, branch_scale: float = 1.0):
@@ -49,22 +61,33 @@ class PostNorm(nn.Module):
         return layer_norm(residual + out)
 
     def scales(self) -> tuple[float | torch.Tensor, float]:
-        """(s, b) of LN(s * x + b * F(x)): what export folds into a plain Post-LN sublayer (model/fold.py)."""
         return self.residual_scale, self.branch_scale
 
     def extra_repr(self) -> str:
         return f"residual_scale={self.residual_scale:.6g}, branch_scale={self.branch_scale:.6g}"
 
 
-class PreNorm(nn.Module):
+class PreNorm(Residual):
     """x_{l+1} = x_l + F(LN(x_l))."""
 
     def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
         return x + branch(layer_norm(x))
 
 
+@dataclass
+class Profiling:
+    """A scheme whose initialization needs a forward pass over data first (Admin's omegas, model/admin.py;
+    through the pipeline, pipeline/admin_profile.py): how a run's start sets it."""
+
+    saved: str | None  # a profile an earlier run wrote: its values, no pass
+    dropout: bool  # profile in training mode (dropout on)
+
+
 class NormScheme:
-    """Base class: Post-LN placement, fairseq initialization, no extra parameters."""
+    """Base class: Post-LN placement, fairseq initialization, no extra parameters. A scheme declares
+    its options (Options, the model.<name> section; an option that acts only at a run's start has
+    common.sections.START_ONLY metadata), its profiling pass (profiling) and, through its residual
+    modules (Residual.scales), what export folds."""
 
     name: ClassVar[str]
     formula: ClassVar[str]
@@ -77,8 +100,6 @@ class NormScheme:
     plain: ClassVar[str | None] = "post_ln"
     # Pre-LN stacks end in a final LayerNorm (fairseq's encoder.layer_norm / decoder.layer_norm).
     normalize_before: ClassVar[bool] = False
-    # The initialization needs a forward pass over data first (Admin's profiling, model/admin.py).
-    profiled: ClassVar[bool] = False
 
     @dataclass
     class Options:
@@ -88,7 +109,7 @@ class NormScheme:
         self.cfg = cfg
         self.options = parse_section(self.Options, cfg.schemes.get(self.name, {}), f"model.{self.name}")
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         """The module joining one sublayer's branch to the residual stream."""
         return PostNorm()
 
@@ -110,6 +131,10 @@ class NormScheme:
     def step_metrics(self, step: int) -> dict[str, float]:
         """Step-dependent values worth logging (e.g. BranchNorm's alpha)."""
         return {}
+
+    def profiling(self) -> Profiling | None:
+        """The profiling pass a run's start makes before training; None: the scheme needs none."""
+        return None
 
     def plain_config(self) -> ModelConfig:
         """The plain (fairseq) model this one folds into: same shapes, `plain` scheme."""
@@ -148,6 +173,11 @@ def model_section(cfg: ModelConfig) -> dict[str, Any]:
     return section
 
 
+def start_only_options() -> list[str]:
+    """The dotted keys of every registered scheme's options that act only when a run starts."""
+    return [key for name, scheme in SCHEMES.items() for key in start_only(scheme.Options, f"model.{name}")]
+
+
 def build_scheme(cfg: ModelConfig) -> NormScheme:
     try:
         scheme = SCHEMES[cfg.norm_scheme]
@@ -174,11 +204,11 @@ class PreLN(NormScheme):
     plain = "pre_ln"
     normalize_before = True
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         return PreNorm()
 
 
-class ReZeroResidual(nn.Module):
+class ReZeroResidual(Residual):
     """x_{l+1} = x_l + w * F(x_l), w a trainable scalar starting at 0, no normalization."""
 
     def __init__(self):
@@ -200,7 +230,7 @@ class ReZero(NormScheme):
     fairseq_export = "no: w and the missing LayerNorms need a plugin"
     plain = None
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         return ReZeroResidual()
 
     def layer_norm(self, dim: int) -> nn.Module:
@@ -212,7 +242,7 @@ def variance(t: torch.Tensor) -> float:
     return t.detach().double().var(correction=0).item()
 
 
-class AdminResidual(nn.Module):
+class AdminResidual(Residual):
     """x_{l+1} = LN(x_l * omega + F(x_l)), omega a trainable vector over the model dimension.
 
     While `profiling` is set it records (Var[x_l], Var[F(x_l)]); model/admin.py turns the records
@@ -242,19 +272,21 @@ class Admin(NormScheme):
     source = "Liu et al. 2020, Admin; Liu et al. 2020, Very Deep Transformers for NMT"
     initialization = "fairseq's; omega from one profiling batch (or a saved profile)"
     fairseq_export = "yes, omega folded into the LayerNorm before each sublayer (Admin App. C)"
-    profiled = True
 
     @dataclass
     class Options:
         # A profile an earlier run wrote (<save_dir>/admin_profile.json): use its omegas, skip profiling.
-        profile: str | None = None
+        profile: str | None = dataclasses.field(default=None, metadata=START_ONLY)
         # Profile with dropout on, as the Admin authors' code does (training mode). Off by default: the
         # omegas then depend on the weights and the batch only, the same at any stage count, and
         # Admin's papers describe the pass as a plain forward pass.
-        profile_dropout: bool = False
+        profile_dropout: bool = dataclasses.field(default=False, metadata=START_ONLY)
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         return AdminResidual(self.cfg.embed_dim)
+
+    def profiling(self) -> Profiling:
+        return Profiling(saved=self.options.profile, dropout=self.options.profile_dropout)
 
     def plain_config(self) -> ModelConfig:
         # The first sublayer's omega scales the embedding output, sinusoids included: it folds into
@@ -320,7 +352,7 @@ class DeepNorm(NormScheme):
         # "paper": xavier_normal with gain beta (Algorithm 1); "torchscale": that library's code.
         init: Literal["paper", "torchscale"] = "paper"
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         alpha, _ = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
         return PostNorm(residual_scale=alpha)
 
@@ -387,7 +419,7 @@ class TFixup(NormScheme):
     fairseq_export = "no: without LayerNorm it needs a plugin"
     plain = None
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         return PreNorm()  # handed nn.Identity below: x + F(x)
 
     def layer_norm(self, dim: int) -> nn.Module:
@@ -475,7 +507,7 @@ class BranchNorm(NormScheme):
     def alpha(self, step: int) -> float:
         return branchnorm_alpha(step, self.options.T, self.options.growth)
 
-    def residual(self, side: Side) -> nn.Module:
+    def residual(self, side: Side) -> Residual:
         return BranchScaled(self.alpha)
 
     def init_layer(self, layer: nn.Module, side: Side) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from common.checkpoint_format import layer_file, load_file, schedule_step
 from common.errors import ConfigError
-from common.run_layout import CONFIG_FILE, checkpoint_dir, layer_file, load_file, schedule_step
+from common.run_layout import CONFIG_FILE, checkpoint_dir
 from model.model_config import ModelConfig
 from model.norms import ScheduleHook, parse_model
 from model.parts import saved_names

@@ -46,9 +46,9 @@ def profile_pipeline(
 
 
 def reused_profile(cfg: ModelConfig) -> str | None:
-    """The saved profile a profiled scheme's options name (model.admin.profile), else None."""
-    scheme = build_scheme(cfg)
-    return scheme.options.profile if scheme.profiled else None
+    """The saved profile the scheme's profiling names (model.admin.profile), else None."""
+    profiling = build_scheme(cfg).profiling()
+    return None if profiling is None else profiling.saved
 
 
 def check(cfg: ModelConfig) -> None:
@@ -60,12 +60,12 @@ def check(cfg: ModelConfig) -> None:
 def initialize(engine: deepspeed.PipelineEngine, cfg: ModelConfig, batch: MicroBatch, save_dir: Path) -> str:
     """Sets every omega of this stage, from model.admin.profile or by profiling `batch` (then saved
     as save_dir/admin_profile.json); returns a line saying which."""
-    residuals = stage_residuals(engine.module, cfg)
-    if reuse := reused_profile(cfg):
-        omegas = load_profile(reuse, cfg)
-        message = f"admin omegas from {reuse}"
+    residuals, profiling = stage_residuals(engine.module, cfg), build_scheme(cfg).profiling()
+    if profiling.saved:
+        omegas = load_profile(profiling.saved, cfg)
+        message = f"admin omegas from {profiling.saved}"
     else:
-        variances = profile_pipeline(engine, residuals, batch, build_scheme(cfg).options.profile_dropout)
+        variances = profile_pipeline(engine, residuals, batch, profiling.dropout)
         omegas = omegas_from(variances, cfg)
         if dist.get_rank() == 0:
             save_profile(save_dir / PROFILE_FILE, variances, omegas)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ConfigError
-from common.files import check_makeable
+from common.outputs import check_makeable
 from common.run_layout import META_FILE, has_checkpoints
 from corpus.batches import ParallelCorpus, check_budget
 from model.layers import compiler_missing

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
+from common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
 from common.errors import exit_on_config_error
-from common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag, schedule_step
+from common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag
 from corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
 from corpus.dataset import PreparedData, write_dictionaries
 from model.layers import compile_layers
@@ -29,7 +30,7 @@ from model.loss import label_smoothed_cross_entropy
 from model.norms import ScheduleHook, build_scheme
 from pipeline import admin_profile
 from pipeline.checkpoint import saving
-from pipeline.checkpoint.data_position import POSITION, data_order, position_record
+from pipeline.checkpoint.data_position import data_order, position_record
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
@@ -48,8 +49,6 @@ from pipeline.safety.watchdog import Watchdog
 from pipeline.specs import layer_specs
 from pipeline.stage_modules import TRANSFORMER_LAYERS
 from pipeline.validation import Best, Validation, validation_line
-
-SCHEDULE_OFFSET = "schedule_offset"  # client state: the step train.init_from's weights started at
 
 
 @dataclass(frozen=True)
@@ -188,10 +187,10 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
     Admin's profiled omegas, and writes the run's records."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
-    client_state: dict[str, Any] = {}
+    resumed: dict[str, Any] = {}  # the checkpoint's client state
     consumed = 0
     if resume and latest_tag(save_dir) is not None:
-        client_state, consumed = saving.load(engine, save_dir, cfg, corpus)
+        resumed, consumed = saving.load(engine, save_dir, cfg, corpus)
         apply_optimizer_settings(engine, cfg.deepspeed)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
@@ -201,7 +200,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
                   "keeps each stretch's settings)", flush=True)  # fmt: skip
         if isinstance(corpus, PreparedData):
             write_dictionaries(save_dir, corpus)
-    offset = client_state.get(SCHEDULE_OFFSET, 0)
+    offset = resumed.get(SCHEDULE_OFFSET, 0)
     if cfg.train.init_from and engine.global_steps == 0:
         saving.verify_contents(cfg.train.init_from, weights_only=True)
         source = checkpoint_dir(cfg.train.init_from)
@@ -211,7 +210,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         if rank == 0:
             print(f"fathom: initialized from {source}, schedules from step {offset}", flush=True)
     # A resumed or initialized run has its omegas in the checkpoint.
-    if build_scheme(cfg.model).profiled and engine.global_steps == 0 and not cfg.train.init_from:
+    if build_scheme(cfg.model).profiling() and engine.global_steps == 0 and not cfg.train.init_from:
         message = admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         if rank == 0:
             print(f"fathom: {message}", flush=True)
@@ -269,9 +268,8 @@ def run(
         print(f"fathom: best valid {best.metric} so far {best.value:.4f} ({best.tag})", flush=True)
     offset = start_point.schedule_offset
 
-    def state() -> dict[str, Any]:  # what every checkpoint keeps beside DeepSpeed's own state
-        read = position_record(position.at(engine.global_steps), per_epoch, order)
-        return {**best.state(), SCHEDULE_OFFSET: offset, POSITION: read}
+    def state() -> dict[str, Any]:
+        return client_state(best.state(), offset, position_record(position.at(engine.global_steps), per_epoch, order))
 
     metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
     interval = cfg.train.grad_norm_interval

@@ -10,8 +10,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from common.checkpoint_format import BEST_VALUE, model_states
 from common.heap import heap_for_decoding
-from common.run_layout import TRANSLATIONS, linked_best, model_states
+from common.run_layout import TRANSLATIONS, linked_best
 from corpus.batches import MicroBatch, eval_batches
 from pipeline.config.run_config import RunConfig, build_corpus
 from pipeline.decode import bleu_set, valid_bleu
@@ -35,7 +36,7 @@ class Best:
     hand, or a crash) would otherwise let a worse model replace the better one."""
 
     def __init__(self, metric: str, save_dir: Path):
-        self.metric, self.key = metric, f"best_valid_{metric}"
+        self.metric, self.key = metric, BEST_VALUE.format(metric=metric)
         self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
         self.tag = linked_best(save_dir)
         saved = None if self.tag is None else model_states(save_dir / self.tag)

@@ -93,7 +93,7 @@ def logged_steps(save_dir: Path) -> list[dict]:
 
 def final_layers(save_dir: Path) -> dict[str, dict]:
     """The layer files of the latest checkpoint, by file name."""
-    from common.run_layout import load_file
+    from common.checkpoint_format import load_file
 
     tag = save_dir / (save_dir / "latest").read_text().strip()
     return {path.name: load_file(path) for path in sorted(tag.glob("layer_*-model_states.pt"))}
@@ -119,7 +119,7 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
 
     import torch
 
-    from common.run_layout import layer_file
+    from common.checkpoint_format import layer_file
     from model.trained import saved_layers
 
     checkpoint = save_dir / f"global_step{step}"

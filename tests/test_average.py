@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.run_layout import (
-    BEST,
-    LATEST,
-    LOCK_FILE,
-    MANIFEST,
-    best_tag,
-    global_step,
-    latest_tag,
-    layer_file,
-    load_file,
-)
+from common.checkpoint_format import MANIFEST, global_step, layer_file, load_file, read_manifest
+from common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
 from convert.average import main
 from model import Transformer
 from model.norms import BranchScaled, parse_model
@@ -116,8 +107,10 @@ def test_load_reference_reads_the_average_at_the_newest_step(run, capsys):
     assert global_step(average) == 10
     assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.1}  # alpha_t at 10 of 100
     # nothing to resume from, and the run's own pointers untouched
-    assert load_file(average / "mp_rank_00_model_states.pt") == {"global_steps": 10, "schedule_step": 10}
-    assert not list(average.glob("*optim_states*")) and not (average / MANIFEST).exists()
+    manifest = read_manifest(average)
+    assert (manifest["step"], manifest["schedule_step"], manifest["shape"]) == (10, 10, None)
+    assert sorted(manifest["files"]) == sorted(p.name for p in average.iterdir() if p.name != MANIFEST)
+    assert not list(average.glob("*optim_states*")) and not (average / "mp_rank_00_model_states.pt").exists()
     assert latest_tag(run) == "global_step10" and (run / BEST).readlink().name == "best_global_step12"
     summary = json.loads((average / "fathom_average.json").read_text())
     assert summary["averaged"] == ["global_step8", "global_step9", "global_step10"] and summary["global_steps"] == 10
@@ -296,4 +289,4 @@ def test_alpha_is_read_at_the_updates_a_checkpoint_applied(run):
     model = load_reference(run, "global_step10")
     assert {m.branch_scale for m in model.modules() if isinstance(m, BranchScaled)} == {0.04}
     main(["--checkpoint", str(run), "--tags", "global_step9", "global_step10"])
-    assert load_file(run / "avg_9_10" / "mp_rank_00_model_states.pt")["schedule_step"] == 4
+    assert read_manifest(run / "avg_9_10")["schedule_step"] == 4

@@ -12,18 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.checkpoint_format import MANIFEST, deepspeed_state_types, file_damage, load_file, read_manifest
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
-from common.run_layout import (
-    LATEST,
-    MANIFEST,
-    deepspeed_state_types,
-    file_damage,
-    latest_tag,
-    linked_best,
-    load_file,
-    read_manifest,
-)
+from common.run_layout import LATEST, latest_tag, linked_best
 from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
@@ -80,6 +72,7 @@ def test_checkpoints_are_committed_whole(trained):
     assert latest_tag(trained) == "global_step2"
     for tag in ("global_step1", "global_step2"):
         manifest = read_manifest(trained / tag)
+        assert manifest == json.loads((trained / tag / MANIFEST).read_text()), "written in today's format"
         assert manifest["world_size"] == 2 and manifest["step"] == int(tag[-1])
         on_disk = {p.name for p in (trained / tag).iterdir()} - {MANIFEST}
         assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)

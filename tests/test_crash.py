@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from common.checkpoint_format import file_damage, read_manifest
 from common.ports import free_port
-from common.run_layout import file_damage, latest_tag, linked_best, read_manifest, tag_step
+from common.run_layout import latest_tag, linked_best, tag_step
 from pipeline.checkpoint import saving
 from tests.helpers import ROOT, assert_same_training, launch
 

@@ -2,16 +2,19 @@
 
 import dataclasses
 import math
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from model import SCHEMES, ModelConfig
-from model.layers import DecoderLayer, EncoderLayer
+from common.sections import START_ONLY
+from model import SCHEMES, ModelConfig, NormScheme
+from model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
 from model.norms import ScheduleHook, branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
+from pipeline.checkpoint.saving import start_only_settings
 
 
 def config(scheme: str, **kw) -> ModelConfig:
@@ -261,3 +264,40 @@ def test_pre_ln_has_final_layer_norms_and_post_ln_not():
     assert Transformer(config("pre_ln")).encoder.layer_norm is not None
     names = Transformer(config("post_ln")).state_dict()
     assert not any(k.startswith(("encoder.layer_norm", "decoder.layer_norm")) for k in names)
+
+
+def test_a_scheme_declares_the_options_a_resume_may_not_change(monkeypatch):
+    """A resume refuses a changed setting that acts only at a run's start; a scheme's such option is
+    declared on its Options field, and nothing else lists it."""
+
+    class Profiled(NormScheme):
+        name = "profiled_test"
+
+        @dataclass
+        class Options:
+            warmup: int = field(default=0, metadata=START_ONLY)
+            scale: float = 1.0
+
+    monkeypatch.setitem(SCHEMES, Profiled.name, Profiled)
+    settings = start_only_settings()
+    assert {"train.init_from", "train.init_step", "model.admin.profile", "model.profiled_test.warmup"} <= set(settings)
+    assert "model.profiled_test.scale" not in settings
+
+
+@pytest.mark.parametrize("scheme", ["post_ln", "admin", "sub_ln"])
+@pytest.mark.parametrize("layer_cls", [EncoderLayer, DecoderLayer])
+def test_sublayers_declares_each_layers_modules_in_the_order_forward_meets_them(scheme, layer_cls):
+    """Admin's profile and export's fold walk a layer by model.layers.SUBLAYERS, not by their own tables."""
+    layer = layer_cls(config(scheme)).eval()
+    declared = SUBLAYERS[layer.side]
+    residuals = [name for name, _ in layer.named_children() if name.endswith("_residual")]
+    assert sorted(residuals) == sorted(sublayer.residual for sublayer in declared)
+    for sublayer in declared:
+        for name in (sublayer.layer_norm, *sublayer.inputs, sublayer.output):
+            layer.get_submodule(name)  # raises for a name the layer does not have
+    met = []
+    for name in residuals:
+        layer.get_submodule(name).register_forward_pre_hook(lambda module, args, name=name: met.append(name))
+    x, tokens = torch.randn(2, 3, 32), torch.full((2, 3), 5)
+    layer(x, tokens) if layer_cls is EncoderLayer else layer(x, x, tokens)
+    assert met == [sublayer.residual for sublayer in declared]

@@ -17,9 +17,17 @@ import pytest
 import torch
 
 import pipeline.checkpoint.reshape as reshape
+from common.checkpoint_format import (
+    MANIFEST,
+    OPTIMIZER_FILE,
+    deepspeed_state_types,
+    load_file,
+    manifest_files,
+    read_manifest,
+)
 from common.errors import exit_on_config_error
-from common.run_layout import MANIFEST, deepspeed_state_types, latest_step, load_file, read_manifest
-from pipeline.checkpoint.reshape import OPTIMIZER_FILE, UNIVERSAL, Shape, manifest_files
+from common.run_layout import latest_step
+from pipeline.checkpoint.reshape import UNIVERSAL, Shape
 from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

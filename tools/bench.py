@@ -31,8 +31,9 @@ import deepspeed
 import torch
 
 from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
-from common.files import check_writable_file, write_atomic
+from common.files import write_atomic
 from common.heap import set_training_heap
+from common.outputs import check_writable_file
 from common.tables import aligned
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.norms import model_section

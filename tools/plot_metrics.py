@@ -7,8 +7,9 @@ import io
 from pathlib import Path
 
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_writable_file, write_atomic
+from common.files import write_atomic
 from common.jsonl import read_jsonl
+from common.outputs import check_writable_file
 from common.run_layout import METRICS_FILE
 from tools.figures import pyplot
 

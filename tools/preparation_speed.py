@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_makeable, check_writable_file
+from common.outputs import check_makeable, check_writable_file
 from common.repo import ROOT
 from common.run_layout import META_FILE
 from common.tables import markdown_table

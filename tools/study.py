@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_makeable, write_atomic
+from common.files import write_atomic
+from common.outputs import check_makeable
 from common.ports import free_port
 from common.run_layout import CONFIG_FILE, META_FILE, latest_tag
 from corpus.dataset import BinarizedCorpus

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
-from common.files import check_writable_file
 from common.heap import decoding_env, keep_freed_blocks
+from common.outputs import check_writable_file
 from common.tables import markdown_row, markdown_rule, markdown_table
 from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus

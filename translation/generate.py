@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from common.errors import exit_on_config_error
-from common.files import check_writable_file, write_atomic
+from common.files import write_atomic
 from common.heap import keep_freed_blocks
+from common.outputs import check_writable_file
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
 from model.search import SearchConfig

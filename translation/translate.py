@@ -25,8 +25,9 @@ from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
 from common.errors import ConfigError, exit_on_config_error
-from common.files import check_writable_file, write_atomic
+from common.files import write_atomic
 from common.heap import keep_freed_blocks
+from common.outputs import check_writable_file
 from corpus.batches import length_batches, with_eos
 from corpus.dataset import PreparedData, check_vocab
 from corpus.text import decode_lines, read_lines

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from common.checkpoint_format import DATA_POSITION
 from common.errors import ConfigError
 from corpus.batches import BatchSize, ParallelCorpus, epoch_length
 from pipeline.config.deepspeed_values import accumulation
 from pipeline.config.run_config import RunConfig
 
-POSITION = "data_position"  # checkpoint client state: {"micro_batches", "per_epoch", "order"}
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
 
 
@@ -45,8 +45,8 @@ def saved_position(state: Mapping[str, Any], steps: int, replicas: int, trained:
     """The position a checkpoint's client `state` records. One written before positions were recorded
     had read `accumulation x replicas` micro-batches a step (then the only rule), in the order its run's
     config (`trained`, config.json) gave; its data was not recorded, so it is not compared."""
-    if POSITION in state:
-        return state[POSITION]
+    if DATA_POSITION in state:
+        return state[DATA_POSITION]
     max_tokens = trained["data"].get("max_tokens")
     order = {
         "data.max_tokens": max_tokens,

@@ -16,7 +16,6 @@ leaves no part of the copy.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -32,14 +31,19 @@ from typing import Any
 import deepspeed
 import torch.distributed as dist
 
+from common.checkpoint_format import (
+    OPTIMIZER_FILE,
+    STAGE_FILE,
+    file_damage,
+    manifest_files,
+    read_manifest,
+    write_manifest,
+)
 from common.errors import ConfigError
-from common.files import fsync_dir, unique_sibling, write_atomic
-from common.run_layout import MANIFEST, file_damage, read_manifest
+from common.files import fsync_dir, unique_sibling
 from pipeline.deepspeed_internals import built_stage_bounds
 
 UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
-STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
-OPTIMIZER_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 @dataclass(frozen=True)
@@ -77,14 +81,9 @@ def engine_shape(engine: deepspeed.PipelineEngine) -> Shape:
 
 
 def saved_shape(manifest: dict[str, Any]) -> Shape:
-    """A committed checkpoint's shape: recorded, or for an older checkpoint read from its file names
-    (one model-states file per stage, one optimizer file per stage and replica)."""
-    if "shape" in manifest:
-        shape = manifest["shape"]
-        return Shape(shape["stages"], shape["replicas"], None if shape["bounds"] is None else tuple(shape["bounds"]))
-    stages = sum(1 for name in manifest["files"] if STAGE_FILE.fullmatch(name))
-    optimizer_files = sum(1 for name in manifest["files"] if OPTIMIZER_FILE.fullmatch(name))
-    return Shape(stages, max(optimizer_files // max(stages, 1), 1))
+    """A committed checkpoint's shape, as its manifest (read_manifest's) records it."""
+    shape = manifest["shape"]
+    return Shape(shape["stages"], shape["replicas"], None if shape["bounds"] is None else tuple(shape["bounds"]))
 
 
 def sharded(manifest: dict[str, Any]) -> bool:
@@ -95,15 +94,6 @@ def sharded(manifest: dict[str, Any]) -> bool:
 
 def universal_tag(tag: str) -> str:
     return tag + UNIVERSAL
-
-
-def manifest_files(directory: Path) -> dict[str, dict[str, Any]]:
-    """Every file under `directory` by its path there, with what the manifest checks."""
-    return {
-        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "zip": zipfile.is_zipfile(path)}
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 def converter_workers() -> int:
@@ -299,8 +289,7 @@ def commit(checkpoint: Path, manifest: dict[str, Any], work: Path, target: Path)
     for name in manifest["files"]:
         if name.startswith("layer_"):  # the weights: DeepSpeed's pipeline loader reads them from the tag
             link_or_copy(checkpoint / name, work / name)
-    universal = {**manifest, "tag": target.name, "source": checkpoint.name, "files": manifest_files(work)}
-    write_atomic(work / MANIFEST, json.dumps(universal, indent=1, sort_keys=True) + "\n")
+    write_manifest(work, {**manifest, "tag": target.name, "source": checkpoint.name, "files": manifest_files(work)})
     os.replace(work, target)
     fsync_dir(target.parent)
 

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,32 +29,30 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from common.errors import ConfigError
-from common.files import fsync_dir, save_file, unique_sibling, write_atomic
-from common.run_layout import (
-    BEST,
-    CONFIG_FILE,
-    LATEST,
+from common.checkpoint_format import (
     MANIFEST,
-    best_tag,
     deepspeed_state_types,
     file_damage,
-    latest_tag,
-    leftovers,
-    linked_best,
+    file_entry,
     load_file,
     model_states,
+    new_manifest,
     read_manifest,
-    step_tag,
+    write_manifest,
 )
+from common.errors import ConfigError
+from common.files import fsync_dir, save_file, unique_sibling, write_atomic
+from common.run_layout import BEST, CONFIG_FILE, LATEST, best_tag, latest_tag, leftovers, linked_best, step_tag
+from common.sections import start_only
 from corpus.batches import ParallelCorpus
 from corpus.dataset import PreparedData, check_vocab
+from model.norms import start_only_options
 from model.trained import check_same_model, model_config
 from pipeline.checkpoint.data_position import resume_position, saved_position
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
 from pipeline.config.deepspeed_values import precision, zero_optimization_stage
 from pipeline.config.history import flat, read_back, shown
-from pipeline.config.run_config import RunConfig
+from pipeline.config.run_config import RunConfig, TrainConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
 from pipeline.launched import end_distributed
 
@@ -71,7 +68,7 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
 
     def save(self, state_dict: Any, path: str) -> None:
         save_file(state_dict, path, self.zipfile_serialization)
-        self.written[Path(path).name] = {"bytes": os.path.getsize(path), "zip": zipfile.is_zipfile(path)}
+        self.written[Path(path).name] = file_entry(Path(path))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         # DeepSpeed loads only checkpoints every rank has just verified together (verify_contents, before
@@ -123,10 +120,8 @@ def save(
     dist.all_gather_object(every_rank, writer.written)
     if dist.get_rank() == 0:
         files = {name: entry for written in every_rank for name, entry in written.items()}
-        manifest = {"tag": tag, "step": engine.global_steps, "schedule_step": schedule_step,
-                    "world_size": dist.get_world_size(), "shape": engine_shape(engine).record(),
-                    "files": files}  # fmt: skip
-        write_atomic(save_dir / tag / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        shape, world_size = engine_shape(engine).record(), dist.get_world_size()
+        write_manifest(save_dir / tag, new_manifest(tag, engine.global_steps, schedule_step, files, shape, world_size))
         # A best checkpoint is a whole checkpoint, and the newest: `latest` names it too, so a stop before
         # the next global_stepN resumes from it, and nothing deletes the tag `latest` names.
         write_atomic(save_dir / LATEST, tag)
@@ -246,7 +241,7 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
     trained = json.loads((save_dir / CONFIG_FILE).read_text())
     before, now = flat(trained), flat(read_back(cfg.to_dict()))
-    for key in START_ONLY:
+    for key in start_only_settings():
         if before.get(key) != now.get(key):
             raise ConfigError(
                 f"--resume: {key} is {json.dumps(before.get(key))} in {save_dir} but {json.dumps(now.get(key))} "
@@ -292,8 +287,12 @@ def check_shape(
         )
 
 
-# Settings that act only when a run starts (its first weights); a resume that changed them would ignore them.
-START_ONLY = ("train.init_from", "train.init_step", "model.admin.profile", "model.admin.profile_dropout")
+def start_only_settings() -> list[str]:
+    """The settings that act only when a run starts (common.sections.START_ONLY): the train section's and
+    every scheme's options."""
+    return [*start_only(TrainConfig, "train"), *start_only_options()]
+
+
 # Optimizer settings a resume applies from its first step (pipeline/train.py); the others decide the
 # layout of the optimizer state the checkpoint holds.
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")

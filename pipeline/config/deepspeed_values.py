@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from common.errors import ConfigError, unknown_key_error
-from common.files import check_makeable
+from common.outputs import check_makeable
 from model.model_config import ModelConfig
 from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
 from pipeline.stage_modules import pipe_parts

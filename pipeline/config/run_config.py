@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.errors import ConfigError
-from common.sections import parse_section
+from common.sections import START_ONLY, parse_section
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.model_config import ModelConfig
@@ -96,11 +96,11 @@ class TrainConfig:
     label_smoothing: float = 0.1
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
-    init_from: str | None = None
+    init_from: str | None = field(default=None, metadata=START_ONLY)
     # The schedule step (BranchNorm's t) train.init_from's weights start at; null: the step they were
     # saved at (0 for weights converted from fairseq), so alpha_t goes on from where it was rather than
     # cutting every branch of trained weights at t = 0.
-    init_step: int | None = None
+    init_step: int | None = field(default=None, metadata=START_ONLY)
     # Seconds a rank may go without progress (a step, a validation pass, a checkpoint save or load)
     # before the job ends naming the rank to blame (pipeline/safety/watchdog.py). Half an hour, torch's default
     # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on

@@ -79,7 +79,7 @@ def main():
         if dist.get_rank() == 0:
             save_dir.mkdir(parents=True, exist_ok=True)
             (save_dir / CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
-        if build_scheme(cfg.model).profiled:
+        if build_scheme(cfg.model).profiling():
             dist.barrier()  # save_dir exists before rank 0 writes the profile into it
             admin_profile.initialize(engine, cfg.model, profile_batch(cfg, corpus), save_dir)
         ScheduleHook(engine.module)(STEP)

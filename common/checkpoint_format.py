@@ -1,0 +1,221 @@
+"""What a checkpoint holds, every key of it, and how a checkpoint of an older fathom is read as today's.
+
+A checkpoint is one tag directory of a run (common/run_layout.py names the tags and the run's records):
+
+- `layer_NN-model_states.pt`, one per layer with parameters, named by the layer's index in the spec
+  list (tied re-uses have none); model.parts.saved_names says which module of the single-process model
+  each belongs to. Plain tensors: reading them needs no DeepSpeed (translation and export).
+- `mp_rank_SS_model_states.pt` (STAGE_FILE), one per pipeline stage: DeepSpeed's counters (`global_steps`,
+  `skipped_steps`, `dp_world_size`, `ds_config`, ...) and fathom's client state, CLIENT_STATE's keys.
+- `[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt` (OPTIMIZER_FILE), one per stage and data-parallel
+  replica when the optimizer state is partitioned (ZeRO-1, bf16); without them each stage file holds it.
+- `fathom_manifest.json` (MANIFEST): written last, it commits the checkpoint (pipeline/checkpoint/
+  saving.py), and records what the files cannot say: new_manifest's keys.
+
+FORMAT is the manifest's version. Every reader goes through read_manifest, which brings an older
+manifest up to FORMAT (upgrade_manifest, as fairseq's upgrade_state_dict does for its checkpoints), so
+no reader asks which fathom wrote a checkpoint:
+
+- 1: a manifest with no `format` key; `schedule_step` and `shape` came later and may be missing.
+- 2: `format`, and every key of new_manifest; averaged checkpoints have a manifest too.
+
+A checkpoint with no manifest at all was written before fathom committed checkpoints, by DeepSpeed
+alone, or converted from fairseq: unversioned_schedule_step reads what such a one has.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.errors import ConfigError
+from common.files import write_atomic
+
+FORMAT = 2
+MANIFEST = "fathom_manifest.json"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # the first stage's (DeepSpeed's counters are on every stage's)
+STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+OPTIMIZER_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+
+# fathom's keys in DeepSpeed's client state, on every stage's STAGE_FILE.
+DATA_POSITION = "data_position"  # micro-batches read and their order (pipeline/checkpoint/data_position.py)
+SCHEDULE_OFFSET = "schedule_offset"  # the step train.init_from's weights started at (pipeline/train.py)
+BEST_VALUE = "best_valid_{metric}"  # the best validation value so far (pipeline/validation.py)
+
+
+def client_state(best: dict[str, float], schedule_offset: int, data_position: dict[str, Any]) -> dict[str, Any]:
+    """What every checkpoint keeps beside DeepSpeed's own state; `best` is {BEST_VALUE: value}."""
+    return {**best, SCHEDULE_OFFSET: schedule_offset, DATA_POSITION: data_position}
+
+
+def new_manifest(
+    tag: str,
+    step: int,
+    schedule_step: int,
+    files: dict[str, dict[str, Any]],
+    shape: dict[str, Any] | None,
+    world_size: int | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """A manifest of FORMAT: `step`, the optimizer steps taken (global_steps); `schedule_step`, the step
+    the step-dependent values (BranchNorm's alpha_t) belong to: updates applied plus the step
+    train.init_from's weights started at; `files`, {name: {"bytes", "zip"}} of every file; `shape`,
+    {"stages", "replicas", "bounds"} of the pipeline that wrote it (None: not resumable, an average);
+    `source`, the tag a universal copy was converted from."""
+    manifest = {"format": FORMAT, "tag": tag, "step": step, "schedule_step": schedule_step, "files": files,
+                "shape": shape, "world_size": world_size}  # fmt: skip
+    return manifest if source is None else {**manifest, "source": source}
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """What a manifest records of one file, for file_damage to check."""
+    return {"bytes": path.stat().st_size, "zip": zipfile.is_zipfile(path)}
+
+
+def manifest_files(directory: Path) -> dict[str, dict[str, Any]]:
+    """file_entry of every file under `directory`, by its path there."""
+    return {
+        path.relative_to(directory).as_posix(): file_entry(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint tag: fathom's (a manifest) or DeepSpeed's (a stage file)."""
+    return (folder / MANIFEST).exists() or (folder / MODEL_STATES).exists()
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
+    """The checkpoint's manifest in FORMAT; None for one that has none (see the module's docstring)."""
+    path = checkpoint / MANIFEST
+    return upgrade_manifest(json.loads(path.read_text()), checkpoint) if path.exists() else None
+
+
+def upgrade_manifest(manifest: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """`manifest`, read from `checkpoint`, in FORMAT; fails in one line for one of a newer fathom."""
+    version = manifest.get("format", 1)
+    if version > FORMAT:
+        raise ConfigError(
+            f"{checkpoint / MANIFEST}: checkpoint format {version}, written by a newer fathom than this one "
+            f"(format {FORMAT}); update fathom to read it"
+        )
+    if version == 1:
+        manifest = {**manifest, "format": FORMAT}
+        if "schedule_step" not in manifest:  # then every update moved the schedules, none was skipped
+            states = model_states(checkpoint)
+            manifest["schedule_step"] = manifest["step"] - (states or {}).get("skipped_steps", 0)
+        if "shape" not in manifest:  # one stage file per stage, one optimizer file per stage and replica
+            stages = sum(1 for name in manifest["files"] if STAGE_FILE.fullmatch(name))
+            optimizer_files = sum(1 for name in manifest["files"] if OPTIMIZER_FILE.fullmatch(name))
+            manifest["shape"] = {"stages": stages, "replicas": max(optimizer_files // max(stages, 1), 1),
+                                 "bounds": None}  # fmt: skip
+    return manifest
+
+
+def unversioned_schedule_step(checkpoint: Path) -> int:
+    """The schedule step of a checkpoint without a manifest: recorded by an older fathom's average, else
+    the updates DeepSpeed counted; 0 for weights without counters (converted from fairseq)."""
+    states = model_states(checkpoint)
+    if states is None:
+        return 0
+    return int(states.get("schedule_step", states["global_steps"] - states.get("skipped_steps", 0)))
+
+
+def schedule_step(checkpoint: Path) -> int:
+    """The step a checkpoint's step-dependent values (BranchNorm's alpha_t) belong to."""
+    manifest = read_manifest(checkpoint)
+    return unversioned_schedule_step(checkpoint) if manifest is None else int(manifest["schedule_step"])
+
+
+def global_step(checkpoint: Path) -> int:
+    """The optimizer steps a checkpoint had taken (weights converted from fairseq: step 0)."""
+    manifest = read_manifest(checkpoint)
+    if manifest is not None:
+        return int(manifest["step"])
+    states = model_states(checkpoint)
+    return 0 if states is None else int(states["global_steps"])
+
+
+def layer_file(checkpoint: Path, index: int) -> Path:
+    return checkpoint / f"layer_{index:02d}-model_states.pt"
+
+
+def model_states(checkpoint: Path) -> dict[str, Any] | None:
+    """DeepSpeed's first stage file of a checkpoint (its counters, fathom's client state), None if absent."""
+    path = checkpoint / MODEL_STATES
+    if not path.exists():
+        return None
+    try:
+        return load_file(path)
+    except ConfigError:  # it names DeepSpeed's classes (ZeRO 0's optimizer state, fp16's loss scaler)
+        return load_file(path, allowed=deepspeed_state_types())
+
+
+def deepspeed_state_types() -> list[type]:
+    """The non-tensor objects DeepSpeed pickles into model and ZeRO optimizer states (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint); plain data, no code runs when they load.
+    fp16 runs (GPU only) save DynamicLossScaler where the others save LossScaler."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def file_damage(path: Path, entry: dict[str, Any], read: bool) -> str | None:
+    """What is wrong with one file of a committed checkpoint, or None; `read` also checks every byte
+    against the zip archive's CRC-32s (torch's format), which reads the whole file."""
+    if not path.exists():
+        return f"{path}: missing; restore the file or start a new run"
+    if path.stat().st_size != entry["bytes"]:
+        return (
+            f"{path}: {path.stat().st_size} bytes, but {entry['bytes']} when it was saved; the file is truncated "
+            "or damaged: restore it or start a new run"
+        )
+    if read and entry["zip"]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except zipfile.BadZipFile:
+            bad = "the archive"
+        if bad is not None:
+            return f"{path}: {bad} fails its checksum; the file is damaged: restore it or start a new run"
+    return None
+
+
+def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] = (), verify: bool = True) -> Any:
+    """torch.load that cannot run code (weights_only; `allowed` names the plain-data classes a format
+    needs), with a one-line error for a file that is unreadable or would need arbitrary unpickling. A
+    file of a committed checkpoint is first checked against its manifest (unless the caller has
+    `verify`-ed it already): torch.load reads flipped bytes in a tensor without complaint."""
+    path = Path(path)
+    # The manifest as written: upgrading one reads DeepSpeed's counters with this function.
+    committed = path.parent / MANIFEST
+    files = json.loads(committed.read_text())["files"] if verify and committed.exists() else {}
+    if path.name in files and (problem := file_damage(path, files[path.name], read=True)):
+        raise ConfigError(problem)
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "GLOBAL " not in str(err):  # not a refused class: garbage where a pickle should be
+            raise ConfigError(f"{path}: unreadable ({err}); the file is damaged or not a checkpoint") from None
+        name = str(err).partition("GLOBAL ")[2].split(" ", 1)[0]
+        raise ConfigError(
+            f"{path}: holds {name}, which fathom does not unpickle (it could run code); "
+            "load only checkpoints written by fathom or DeepSpeed"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(f"{path}: unreadable ({first}); the file is truncated or not a checkpoint") from None

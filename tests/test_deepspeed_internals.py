@@ -191,8 +191,9 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
     translation and conversion import without it (its logger writes to stdout, and a machine that only
     translates need not build it)."""
     modules = ["model", "model.parts", "model.fold", "model.trained", "corpus.prepare", "corpus.batches",
-               "common.run_layout", "pipeline.config", "pipeline.stage_modules", "translation.translate",
-               "translation.generate", "convert.to_fairseq", "convert.from_fairseq", "convert.average"]  # fmt: skip
+               "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.stage_modules",
+               "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
+               "convert.average"]  # fmt: skip
     code = (
         f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; print('deepspeed' in sys.modules)"
     )

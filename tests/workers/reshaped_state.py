@@ -7,11 +7,11 @@ Usage: reshaped_state.py CONFIG OUT_DIR WORLD_SIZE OVERRIDE...
 import sys
 from pathlib import Path
 
+from common.checkpoint_format import DATA_POSITION, SCHEDULE_OFFSET
 from pipeline.checkpoint import saving
-from pipeline.checkpoint.data_position import POSITION
 from pipeline.config.run_config import resolve_run
 from pipeline.launched import init_distributed, run_launched
-from pipeline.train import SCHEDULE_OFFSET, build_engine
+from pipeline.train import build_engine
 
 
 def main():
@@ -22,7 +22,8 @@ def main():
     engine = build_engine(cfg)
     client_state, _ = saving.load(engine, cfg.train.save_dir, cfg, corpus)
     out.mkdir(parents=True, exist_ok=True)
-    kept = {key: client_state[key] for key in (SCHEDULE_OFFSET, POSITION)}  # what training keeps beside DeepSpeed's
+    # what training keeps beside DeepSpeed's
+    kept = {key: client_state[key] for key in (SCHEDULE_OFFSET, DATA_POSITION)}
     saving.save(engine, out, kept, best=False, schedule_step=engine.global_steps)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from model.cache import AttentionCache, KeysValues, LayerCache
 from model.dropout import Dropout
 from model.model_config import PAD, ModelConfig
-from model.norms import Side, build_scheme
+from model.norms import NormScheme, Side
 
 
 def key_mask(tokens: torch.Tensor) -> torch.Tensor:
@@ -123,13 +123,14 @@ SUBLAYERS: dict[Side, tuple[Sublayer, ...]] = {"encoder": (SELF_ATTN, FFN), "dec
 
 class TransformerLayer(nn.Module):
     """Self-attention, cross-attention (decoder only) and FFN sublayers, each joined to the residual
-    stream by the norm scheme's residual module."""
+    stream by the norm scheme's residual module; `scheme` is the model's (build_scheme(cfg), built once
+    for all its layers)."""
 
     side: ClassVar[Side]
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, scheme: NormScheme):
         super().__init__()
-        scheme, dim, side = build_scheme(cfg), cfg.embed_dim, self.side
+        dim, side = cfg.embed_dim, self.side
         self.self_attn = MultiheadAttention(dim, cfg.attention_heads, cfg.attention_dropout, scheme.inner_norm(dim))
         self.self_attn_layer_norm = scheme.layer_norm(dim)
         self.self_attn_residual = scheme.residual(side)

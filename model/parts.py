@@ -69,10 +69,10 @@ def model_parts(cfg: ModelConfig) -> list[Part]:
     final_norms = scheme.normalize_before
     return [
         encoder_embed,
-        *(Part(f"encoder.layers.{i}", EncoderLayer, (cfg,)) for i in range(cfg.encoder_layers)),
+        *(Part(f"encoder.layers.{i}", EncoderLayer, (cfg, scheme)) for i in range(cfg.encoder_layers)),
         *([Part("encoder.layer_norm", nn.LayerNorm, (dim,))] if final_norms else []),
         decoder_embed,
-        *(Part(f"decoder.layers.{i}", DecoderLayer, (cfg,)) for i in range(cfg.decoder_layers)),
+        *(Part(f"decoder.layers.{i}", DecoderLayer, (cfg, scheme)) for i in range(cfg.decoder_layers)),
         *([Part("decoder.layer_norm", nn.LayerNorm, (dim,))] if final_norms else []),
         output,
     ]

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from model.embedding import Embedding
 from model.layers import DecoderLayer, EncoderLayer
 from model.model_config import ModelConfig
+from model.norms import NormScheme
 from model.parts import Part, model_parts
 
 Activations = tuple[Tensor, ...]
@@ -64,8 +65,8 @@ class DecoderEmbeddingPipe(Embedding):
 
 
 class DecoderLayerPipe(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, last: bool):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, scheme: NormScheme, last: bool):
+        super().__init__(cfg, scheme)
         # The last layer drops encoder_out: a float sent to a later stage that gets no gradient
         # back stalls DeepSpeed's backward pass.
         self.last = last

@@ -12,7 +12,7 @@ from common.errors import ConfigError
 from common.sections import START_ONLY
 from model import SCHEMES, ModelConfig, NormScheme
 from model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
-from model.norms import ScheduleHook, branchnorm_alpha, deepnorm_constants, sub_ln_gain, t_fixup_scale
+from model.norms import ScheduleHook, branchnorm_alpha, build_scheme, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
 from pipeline.checkpoint.saving import start_only_settings
 
@@ -43,7 +43,7 @@ def test_deepnorm_constants(n, m, enc_alpha, enc_beta, dec_alpha, dec_beta):
 def test_deepnorm_beta_scales_exactly_v_out_fc1_fc2():
     torch.manual_seed(0)
     cfg = config("deepnorm", encoder_layers=100, decoder_layers=100, embed_dim=256, ffn_dim=1024, attention_heads=4)
-    layer = DecoderLayer(cfg)
+    layer = DecoderLayer(cfg, build_scheme(cfg))
     _, beta = deepnorm_constants(100, 100, "decoder")
 
     def xavier_std(w):
@@ -61,9 +61,10 @@ def test_deepnorm_beta_scales_exactly_v_out_fc1_fc2():
 def params_beside_default_init(layer_cls, cfg: ModelConfig) -> tuple[dict, dict]:
     """A layer's parameters and, built from the same seed, those of a default-initialized (Post-LN) layer."""
     torch.manual_seed(0)
-    params = dict(layer_cls(cfg).named_parameters())
+    params = dict(layer_cls(cfg, build_scheme(cfg)).named_parameters())
     torch.manual_seed(0)
-    return params, dict(layer_cls(dataclasses.replace(cfg, norm_scheme="post_ln")).named_parameters())
+    post_ln = dataclasses.replace(cfg, norm_scheme="post_ln")
+    return params, dict(layer_cls(post_ln, build_scheme(post_ln)).named_parameters())
 
 
 # Hand-computed for N=3, M=2. DeepNorm (torchscale): encoder beta 1.15 (N^4 M)^(-1/16) (the paper: 0.87),
@@ -85,7 +86,7 @@ def test_torchscale_inits_scale_pytorch_defaults(scheme, layer_cls, factor):
     assert constant == pytest.approx(factor, abs=1e-5)
     torch.manual_seed(0)
     cfg = config(scheme, embed_dim=256, ffn_dim=512, schemes={"deepnorm": {"init": "torchscale"}})
-    for name, module in layer_cls(cfg).named_modules():
+    for name, module in layer_cls(cfg, build_scheme(cfg)).named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         scaled = name.split(".")[-1] in ("v_proj", "out_proj", "fc1", "fc2")
@@ -190,7 +191,7 @@ def written_layer(layer, x: torch.Tensor, formula: str, a: float = 1.0, encoder_
 def test_layer_follows_formula(scheme, side):
     torch.manual_seed(0)
     cfg = config(scheme, schemes={"branchnorm": {"T": 8}})
-    layer = (EncoderLayer if side == "encoder" else DecoderLayer)(cfg).eval()
+    layer = (EncoderLayer if side == "encoder" else DecoderLayer)(cfg, build_scheme(cfg)).eval()
     ScheduleHook(layer)(2)
     x = torch.randn(2, 5, 32)
     src = torch.randint(4, 30, (2, 5 if side == "encoder" else 6))  # no padding
@@ -288,7 +289,8 @@ def test_a_scheme_declares_the_options_a_resume_may_not_change(monkeypatch):
 @pytest.mark.parametrize("layer_cls", [EncoderLayer, DecoderLayer])
 def test_sublayers_declares_each_layers_modules_in_the_order_forward_meets_them(scheme, layer_cls):
     """Admin's profile and export's fold walk a layer by model.layers.SUBLAYERS, not by their own tables."""
-    layer = layer_cls(config(scheme)).eval()
+    cfg = config(scheme)
+    layer = layer_cls(cfg, build_scheme(cfg)).eval()
     declared = SUBLAYERS[layer.side]
     residuals = [name for name, _ in layer.named_children() if name.endswith("_residual")]
     assert sorted(residuals) == sorted(sublayer.residual for sublayer in declared)

@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from common.errors import ConfigError, exit_on_config_error
+from common.machine import cpu
 from common.outputs import check_makeable, check_writable_file
 from common.repo import ROOT
 from common.run_layout import META_FILE
@@ -351,25 +352,6 @@ class SystemResult:
     def peak_pss(self) -> int | None:
         values = [m.peak_pss for m in self.stages.values()]
         return None if None in values else max(values)
-
-
-def cpu() -> dict:
-    model, flags = "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = value
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "avx512_bf16": "avx512_bf16" in flags.split(),
-    }
 
 
 def run(args: argparse.Namespace) -> dict:

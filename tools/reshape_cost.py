@@ -23,7 +23,7 @@ from common.repo import ROOT
 from common.run_layout import latest_tag
 from common.tables import markdown_table
 from pipeline.checkpoint.reshape import converter_command, universal_tag
-from tools.preparation_speed import Measured, mib, run_sampled
+from tools.process_sampling import Measured, mib, run_sampled
 
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, exit_on_config_error
+from common.figures import matplotlib_module
 from common.files import write_atomic
 from common.machine import cpu
 from common.outputs import check_makeable
@@ -39,7 +40,6 @@ from model.norms import SCHEMES
 from pipeline.config.history import flat, read_back
 from pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
 from pipeline.safety.divergence import NONFINITE_EXIT
-from tools.figures import matplotlib_module
 from tools.source_use import unigram_nll, valid_nlls
 from tools.study_grid import (
     BASELINE_FILE,

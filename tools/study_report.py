@@ -22,12 +22,12 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from common.figures import pyplot
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.run_layout import GRAD_NORMS_FILE
 from pipeline.config.history import flat, shown
 from pipeline.config.run_config import RunConfig
-from tools.figures import pyplot
 from tools.study_grid import (
     AXES,
     Cell,

@@ -1,1 +1,1 @@
-"""Measuring: the memory planner, speed benchmarks against torchscale, the depth study and training comparisons."""
+"""Measuring: the memory planner, speed benchmarks against torchscale, and training comparisons."""

@@ -1,4 +1,4 @@
-"""A depth study's classification and report, from the cells' own logs alone (tools/study.py).
+"""A depth study's classification and report, from the cells' own logs alone (study/run.py).
 
 A cell is
 - `diverged`: stopped by a non-finite loss or gradient (train.on_nonfinite=stop), or its training loss
@@ -28,7 +28,7 @@ from common.jsonl import read_jsonl
 from common.run_layout import GRAD_NORMS_FILE
 from pipeline.config.history import flat, shown
 from pipeline.config.run_config import RunConfig
-from tools.study_grid import (
+from study.grid import (
     AXES,
     Cell,
     Grid,

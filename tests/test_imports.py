@@ -16,8 +16,9 @@ ALLOWED = {
     "translation": {"common", "model", "corpus"},
     "convert": {"common", "model", "corpus", "pipeline"},  # export runs the trained layers as the pipeline did
     "study": {"common", "model", "corpus", "pipeline", "translation"},
-    "tools": {"common", "model", "corpus", "pipeline", "translation", "convert", "study"},
-    "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "study", "tools"},
+    "planner": {"common", "model", "corpus", "pipeline"},
+    "tools": {"common", "model", "corpus", "pipeline", "translation", "convert", "study", "planner"},
+    "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "study", "planner", "tools"},
 }
 PACKAGES = (*ALLOWED, "tests")
 

@@ -1,9 +1,9 @@
-"""Runs a depth study (schemes x depths on real data) and writes its report; see tools/study.py.
+"""Runs a depth study (schemes x depths on real data) and writes its report; see study/run.py.
 
 python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
 """
 
-from tools.study import main
+from study.run import main
 
 if __name__ == "__main__":
     main()

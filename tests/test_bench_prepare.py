@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.run_layout import META_FILE
-from tools.preparation_speed import WORK_STAMP, build_corpus, check_work, main, run_sampled
+from tools.preparation_speed import WORK_STAMP, build_corpus, check_work, main
+from tools.process_sampling import run_sampled
 
 VALID_PAIRS = 1014  # Multi30k's val split
 

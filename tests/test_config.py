@@ -11,6 +11,7 @@ import typing
 
 import pytest
 
+from common import machine
 from common.errors import ConfigError
 from common.heap import CPU_HEAPS
 from common.jsonl import read_jsonl
@@ -406,9 +407,9 @@ def test_bf16_on_a_cpu_that_emulates_it_is_one_warning_line(tmp_path, monkeypatc
     run asking for bf16 there is told so in one line at start-up instead of silently crawling."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f avx512bw\n")
-    assert not deepspeed_values.native_bf16_cpu(cpuinfo)
+    assert not machine.native_bf16_cpu(cpuinfo)
     cpuinfo.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f avx512_bf16\n")
-    assert deepspeed_values.native_bf16_cpu(cpuinfo)
+    assert machine.native_bf16_cpu(cpuinfo)
     monkeypatch.setattr(deepspeed_values, "native_bf16_cpu", lambda: False)
     warning = deepspeed_values.precision_warning({"bf16": {"enabled": True}})
     assert warning is not None and "\n" not in warning and "bf16.enabled=false" in warning

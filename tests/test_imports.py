@@ -15,8 +15,10 @@ ALLOWED = {
     "pipeline": {"common", "model", "corpus"},
     "translation": {"common", "model", "corpus"},
     "convert": {"common", "model", "corpus", "pipeline"},  # export runs the trained layers as the pipeline did
-    "tools": {"common", "model", "corpus", "pipeline", "translation", "convert"},
-    "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "tools"},
+    "study": {"common", "model", "corpus", "pipeline", "translation"},
+    "planner": {"common", "model", "corpus", "pipeline"},
+    "tools": {"common", "model", "corpus", "pipeline", "translation", "convert", "study", "planner"},
+    "scripts": {"common", "model", "corpus", "pipeline", "translation", "convert", "study", "planner", "tools"},
 }
 PACKAGES = (*ALLOWED, "tests")
 

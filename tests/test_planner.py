@@ -1,4 +1,4 @@
-"""The memory planner (tools/planner.py): its arithmetic by hand, and its prediction against a real run."""
+"""The memory planner (planner/estimate.py): its arithmetic by hand, and its prediction against a real run."""
 
 import json
 import subprocess
@@ -8,19 +8,19 @@ import pytest
 
 from common.run_layout import MEMORY_FILE
 from pipeline.config.run_config import load_config
-from tests.helpers import ROOT, launch
-from tools import planner
-from tools.activation_trace import trace_layers
-from tools.planner import (
+from planner.activation_trace import trace_layers
+from planner.estimate import (
     CPU_RUNTIME_BYTES,
     GiB,
     MicroBatchShape,
     estimate_stages,
     fill_vocab_and_length,
+    main,
     micro_batch_shape,
     parse_size,
     smallest_stage_count,
 )
+from tests.helpers import ROOT, launch
 
 TINY = [
     "model.encoder_layers=1", "model.decoder_layers=1", "model.embed_dim=8", "model.ffn_dim=16",
@@ -127,7 +127,7 @@ def test_sizes_and_bad_input():
 def test_stages_zero_is_refused_not_ignored(capsys):
     """--stages 0 used to fall back to the config's stage count silently."""
     with pytest.raises(SystemExit) as exc:
-        planner.main(["--config", str(ROOT / "ds_configs" / "default.json"), "--stages", "0"])
+        main(["--config", str(ROOT / "ds_configs" / "default.json"), "--stages", "0"])
     assert exc.value.code == 2
     assert "--stages: must be at least 1, got 0" in capsys.readouterr().err
 
@@ -144,7 +144,7 @@ def test_stages_zero_is_refused_not_ignored(capsys):
 def test_a_damaged_measured_record_is_one_line(tmp_path, capsys, record, message):
     (tmp_path / MEMORY_FILE).write_text(record)
     with pytest.raises(SystemExit) as exc:
-        planner.main(["--config", str(ROOT / "ds_configs" / "default.json"), "--measured", str(tmp_path)])
+        main(["--config", str(ROOT / "ds_configs" / "default.json"), "--measured", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 

@@ -1,1 +1,1 @@
-"""Measuring: the memory planner, speed benchmarks against torchscale, the depth study and training comparisons."""
+"""Measuring fathom: speed benchmarks (against torchscale, fairseq), training comparisons, metric plots."""

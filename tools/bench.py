@@ -33,11 +33,11 @@ import torch
 from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from common.files import write_atomic
 from common.heap import set_training_heap
+from common.machine import native_bf16_cpu
 from common.outputs import check_writable_file
 from common.tables import aligned
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.norms import model_section
-from pipeline.config.deepspeed_values import native_bf16_cpu
 from pipeline.config.run_config import TrainConfig
 from tools import step_profile
 from tools.stage_balance import StageTime, stage_times

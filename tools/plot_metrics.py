@@ -7,11 +7,11 @@ import io
 from pathlib import Path
 
 from common.errors import ConfigError, exit_on_config_error
+from common.figures import pyplot
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.outputs import check_writable_file
 from common.run_layout import METRICS_FILE
-from tools.figures import pyplot
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,22 +30,20 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from common.errors import ConfigError, exit_on_config_error
+from common.machine import cpu
 from common.outputs import check_makeable, check_writable_file
-from common.repo import ROOT
 from common.run_layout import META_FILE
 from common.tables import markdown_table
 from corpus.prepare import SPM_SAMPLE
 from corpus.subwords import TRAINING_THREADS
 from corpus.text import read_lines
+from tools.process_sampling import Measured, StageError, mib, run_sampled
 from tools.standin_corpus import MULTI30K, write_standin
 from tools.translation_speed import FAIRSEQ_ENV
 
@@ -58,7 +56,6 @@ CORPUS_STAMP = "standin.json"
 # but for corpus and logs, after it unless --keep. ".fathom." and ".corpus." are staging directories.
 OUTPUTS = ("fathom", "fairseq", "fairseq-work")
 STAGING = (".fathom.", ".corpus.")
-SAMPLE_INTERVAL_S = 0.1
 LOG_TAIL = 20  # lines of a failed stage's log shown
 
 # fairseq's examples/translation scripts run spm_encode on each file; this is it on the pip package,
@@ -185,84 +182,6 @@ def warm_page_cache(files: list[Path]) -> None:
                 pass
 
 
-@dataclass
-class Measured:
-    """One command: its wall time and the peak memory of its process tree (bytes; PSS None where the
-    kernel does not say)."""
-
-    command: list[str]
-    seconds: float = 0.0
-    peak_rss: int = 0
-    peak_pss: int | None = 0
-    log: str = ""
-
-
-def tree_memory(root: psutil.Process) -> tuple[int, int | None]:
-    """Sum of RSS and of PSS over a process and all its descendants, now; processes that end while
-    being read count as gone."""
-    rss, pss = 0, 0
-    try:
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0, 0
-    for process in processes:
-        try:
-            if pss is not None:
-                try:
-                    info = process.memory_full_info()
-                    rss, pss = rss + info.rss, pss + info.pss
-                    continue
-                except psutil.AccessDenied:
-                    pss = None
-            rss += process.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return rss, pss
-
-
-def run_sampled(name: str, command: list[str], log: Path, env: dict | None = None) -> Measured:
-    """Runs `command` from the repository root, its output to `log`,
-    sampling its tree's memory every SAMPLE_INTERVAL_S; raises StageError, naming it `name`, if it fails."""
-    measured = Measured(command=command, log=str(log))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as log_file:
-        tick = time.perf_counter()
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=log_file)
-        root = psutil.Process(process.pid)
-        try:
-            while True:
-                rss, pss = tree_memory(root)
-                measured.peak_rss = max(measured.peak_rss, rss)
-                measured.peak_pss = None if pss is None or measured.peak_pss is None else max(measured.peak_pss, pss)
-                try:
-                    process.wait(timeout=SAMPLE_INTERVAL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        except BaseException:  # interrupted: leave no worker behind
-            try:
-                tree = [*root.children(recursive=True), root]
-            except psutil.NoSuchProcess:
-                tree = []
-            for member in tree:
-                try:
-                    member.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            process.wait()
-            raise
-        measured.seconds = time.perf_counter() - tick
-    if process.returncode != 0:
-        raise StageError(name, process.returncode, log)
-    return measured
-
-
-class StageError(RuntimeError):
-    def __init__(self, name: str, returncode: int, log: Path):
-        super().__init__(f"{name} exited with status {returncode}; its output: {log}")
-        self.log = log
-
-
 def fathom_stages(args: argparse.Namespace, corpus: Path) -> dict[str, Measured]:
     out = args.work / "fathom"
     command = [
@@ -353,25 +272,6 @@ class SystemResult:
         return None if None in values else max(values)
 
 
-def cpu() -> dict:
-    model, flags = "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            if key.strip() == "flags" and not flags:
-                flags = value
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)),
-        "avx512_bf16": "avx512_bf16" in flags.split(),
-    }
-
-
 def run(args: argparse.Namespace) -> dict:
     systems = check_args(args)
     # the commands run from the repository root, not from here
@@ -434,10 +334,6 @@ def numbers(seconds: float, peak_rss: int, peak_pss: int | None, pairs: int) -> 
         "peak_rss_bytes": peak_rss,
         "peak_pss_bytes": peak_pss,
     }
-
-
-def mib(value: int | None) -> str:
-    return "" if value is None else f"{value / 2**20:,.0f} MiB"
 
 
 def table(results: dict) -> str:

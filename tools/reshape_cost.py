@@ -18,11 +18,12 @@ import shutil
 from pathlib import Path
 
 from common.errors import check_number, exit_on_config_error
+from common.machine import cpu
 from common.repo import ROOT
 from common.run_layout import latest_tag
 from common.tables import markdown_table
 from pipeline.checkpoint.reshape import converter_command, universal_tag
-from tools.preparation_speed import Measured, cpu, mib, run_sampled
+from tools.process_sampling import Measured, mib, run_sampled
 
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")
 

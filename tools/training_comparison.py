@@ -28,7 +28,7 @@ from model import Transformer
 from model.loss import label_smoothed_cross_entropy
 from model.model_config import PAD
 from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
-from tools.source_use import nll, with_shuffled_sources
+from study.source_use import nll, with_shuffled_sources
 from tools.torchscale_peer import torchscale_model
 
 ENCODER_SPREAD_SENTENCES = 64

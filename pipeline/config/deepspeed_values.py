@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from common.errors import ConfigError, unknown_key_error
+from common.machine import native_bf16_cpu
 from common.outputs import check_makeable
 from model.model_config import ModelConfig
 from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
@@ -122,16 +123,6 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         raise ConfigError(
             "bf16.enabled: DeepSpeed cannot resume bf16 checkpoints without ZeRO; set zero_optimization.stage to 1"
         )
-
-
-def native_bf16_cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (the avx512_bf16 or amx_bf16 flag); elsewhere
-    oneDNN emulates them, about 50x slower than fp32 (docs/BENCHMARKS.md). True where it cannot tell."""
-    try:
-        flags = set(cpuinfo.read_text().split())
-    except OSError:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def precision(ds: dict[str, Any]) -> str:

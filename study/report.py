@@ -1,4 +1,4 @@
-"""A depth study's classification and report, from the cells' own logs alone (tools/study.py).
+"""A depth study's classification and report, from the cells' own logs alone (study/run.py).
 
 A cell is
 - `diverged`: stopped by a non-finite loss or gradient (train.on_nonfinite=stop), or its training loss
@@ -22,13 +22,13 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from common.figures import pyplot
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.run_layout import GRAD_NORMS_FILE
 from pipeline.config.history import flat, shown
 from pipeline.config.run_config import RunConfig
-from tools.figures import pyplot
-from tools.study_grid import (
+from study.grid import (
     AXES,
     Cell,
     Grid,

@@ -1,7 +1,7 @@
 """What autograd keeps for backward, per pipeline layer, measured rather than derived: each distinct
 part of the model runs forward in its pipeline form on one sentence under saved-tensor hooks, which
 see exactly what backward will need, whatever the norm scheme, attention kernel and precision. The
-memory planner (tools/planner.py) scales these traces to micro-batches and stages."""
+memory planner (planner/estimate.py) scales these traces to micro-batches and stages."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A depth study's grid: what the study file says (StudySpec), the cells it makes, and each cell's run
-directory, config and records. tools/study.py runs the cells; tools/study_report.py reads them.
+directory, config and records. study/run.py runs the cells; study/report.py reads them.
 
 The main grid is schemes x depths. Each further grid (`grids`) is schemes x depths x its axes: learning
 rates, warmups, gradient clippings, gradient accumulations (tokens per update at the same memory),

@@ -5,11 +5,11 @@ launcher and scripts/train.py, exactly as a user runs them.
     python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
 
 Every cell starts from the same experiment config (data order, batches, optimizer, schedule, seed) and
-changes only what its grid varies (tools/study_grid.py). A cell is a run directory STUDY/cells/NAME; its
+changes only what its grid varies (study/grid.py). A cell is a run directory STUDY/cells/NAME; its
 training has ended once STUDY/cells/NAME/cell.json exists, so the same command again skips those cells
 and resumes an interrupted one from its last checkpoint. Each start of a cell's training (a sitting) is
 recorded with the CPU it ran on. Each finished cell is classified from its own logs
-(tools/study_report.py), and the report is rebuilt from them alone.
+(study/report.py), and the report is rebuilt from them alone.
 
 What a study keeps across runs records what it was computed from, and is computed again, or refused,
 when that differs: baseline.json (the data's path and checksums: computed again), a cell's training
@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, exit_on_config_error
+from common.figures import matplotlib_module
 from common.files import write_atomic
+from common.machine import cpu
 from common.outputs import check_makeable
 from common.ports import free_port
 from common.run_layout import CONFIG_FILE, META_FILE, latest_tag
@@ -38,10 +40,7 @@ from model.norms import SCHEMES
 from pipeline.config.history import flat, read_back
 from pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
 from pipeline.safety.divergence import NONFINITE_EXIT
-from tools.figures import matplotlib_module
-from tools.preparation_speed import cpu
-from tools.source_use import unigram_nll, valid_nlls
-from tools.study_grid import (
+from study.grid import (
     BASELINE_FILE,
     CELL_FILE,
     ROOT,
@@ -62,7 +61,8 @@ from tools.study_grid import (
     sittings_path,
     training,
 )
-from tools.study_report import STUDY, TRAINED, classify, evaluation_due, write_report
+from study.report import STUDY, TRAINED, classify, evaluation_due, write_report
+from study.source_use import unigram_nll, valid_nlls
 
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 

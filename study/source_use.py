@@ -1,7 +1,7 @@
 """How much a trained model uses its source, measured on the validation split: its loss with the real
 sources, with each target given another sentence's source, and the loss of the best model that reads
 no source at all (the target unigram distribution). The depth study tells a model that translates
-from one that only learned the target language with them (tools/study_report.py)."""
+from one that only learned the target language with them (study/report.py)."""
 
 from __future__ import annotations
 

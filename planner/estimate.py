@@ -31,7 +31,7 @@ from pipeline.config.deepspeed_values import accumulation, gradients_all_reduced
 from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
 from pipeline.partition import stage_bounds
 from pipeline.safety.memory import GiB, MeasuredPeak
-from tools.activation_trace import LayerTrace, precision, trace_layers
+from planner.activation_trace import LayerTrace, precision, trace_layers
 
 GB = 10**9
 # A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,

@@ -145,8 +145,8 @@ class StabilityGuard:
         optimizer = engine.optimizer
         # The engine skips a step only for optimizers that report `overflow`: DeepSpeed's own wrappers.
         self.optimizer_checks = hasattr(optimizer, "overflow")
-        if not self.optimizer_checks:  # a plain torch optimizer
-            self._guard_plain_optimizer(optimizer)
+        if not self.optimizer_checks:  # a torch optimizer, not one of DeepSpeed's wrappers
+            self._guard_torch_optimizer(optimizer)
         elif getattr(optimizer, "compute_grad_norm", True) is False:
             # fp32 ZeRO without its gradient norm would check nothing: use its fp16 overflow check.
             optimizer.check_grad_overflow = True
@@ -168,7 +168,7 @@ class StabilityGuard:
         # layer, kept on the device and read once per step, so no host sync per layer.
         self.extremes.append((layer, torch.aminmax(x.detach())))
 
-    def _guard_plain_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _guard_torch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         step = optimizer.step
 
         def guarded_step(*args: Any, **kwargs: Any) -> Any:

@@ -100,7 +100,7 @@ def has_checkpoints(save_dir: str | Path) -> bool:
     )
 
 
-def plain_name(tag: str) -> bool:
+def is_folder_name(tag: str) -> bool:
     """Whether `tag` names a visible folder directly inside SAVE_DIR."""
     return bool(tag) and Path(tag).name == tag and not tag.startswith(".")
 
@@ -111,9 +111,9 @@ def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
         tag = latest_tag(save_dir)
         if tag is None:
             raise ConfigError(f"{save_dir}: no '{LATEST}' file; pass a tag (one of the global_step* folders)")
-        if not plain_name(tag):
+        if not is_folder_name(tag):
             raise ConfigError(f"{save_dir / LATEST}: names '{tag}', not a tag; pass --tag (a global_step* folder)")
-    elif not plain_name(tag):
+    elif not is_folder_name(tag):
         raise ConfigError(f"--tag: '{tag}' is not a tag; pass a folder name inside {save_dir}, e.g. best")
     path = save_dir / tag
     if not path.is_dir():

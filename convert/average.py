@@ -57,8 +57,8 @@ from common.run_layout import (
     CONFIG_FILE,
     committed,
     committed_checkpoints,
+    is_folder_name,
     latest_step,
-    plain_name,
     reserved_name,
     tag_step,
 )
@@ -109,7 +109,7 @@ def named_checkpoints(save_dir: Path, tags: list[str]) -> list[Path]:
     seen: dict[int | Path, str] = {}
     latest = latest_step(save_dir)
     for tag in tags:
-        if not plain_name(tag):
+        if not is_folder_name(tag):
             raise ConfigError(f"--tags: '{tag}' is not a tag; pass folder names inside {save_dir}, e.g. global_step2")
         path = save_dir / tag
         if not path.is_dir():
@@ -140,8 +140,8 @@ def default_out_tag(checkpoints: list[Path], last: int | None) -> str:
 def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool) -> None:
     """Fails unless `tag` is a new (or, with force, an earlier averaged) tag that no reader takes for
     something else: a training checkpoint, `latest`, `best`."""
-    if not plain_name(tag):
-        raise ConfigError(f"--out-tag: '{tag}' is not a folder name; pass a plain name such as avg_last5")
+    if not is_folder_name(tag):
+        raise ConfigError(f"--out-tag: '{tag}' is not a folder name; pass a folder name such as avg_last5")
     if reserved_name(tag):
         raise ConfigError(
             f"--out-tag: '{tag}' is a name the run keeps for its checkpoints, links or records; "

@@ -1,4 +1,4 @@
-"""Export a pipeline checkpoint as a plain fairseq Transformer checkpoint.
+"""Export a pipeline checkpoint as a fairseq Transformer checkpoint.
 
     python scripts/convert_to_fairseq.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --out OUT
 
@@ -9,7 +9,7 @@ but train as fairseq raw text (SPLIT.SRC-TGT.LANG, for fairseq-generate --datase
 fathom_export.json, the summary.
 
 The checkpoint is read one pipeline layer file at a time, in the order of the parts, and each
-layer is folded into its plain fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
+layer is folded into its fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
 never held twice. A batch of the data's validation pairs runs through the trained layers and the
 folded ones side by side, and the summary reports the largest log-probability difference.
 Everything is written to a temporary directory beside OUT and renamed into place when complete.
@@ -180,7 +180,7 @@ def fairseq_checkpoint(
 class Export:
     checkpoint: Path
     cfg: ModelConfig
-    plain: ModelConfig
+    fairseq_cfg: ModelConfig  # what cfg folds into
     step: int
 
     @classmethod
@@ -188,31 +188,31 @@ class Export:
         """Checks everything about the checkpoint that can be checked before reading its layers."""
         cfg = model_config(save_dir)
         scheme = build_scheme(cfg)
-        if scheme.plain is None:
+        if scheme.fairseq_layout is None:
             raise ConfigError(
                 f"model.norm_scheme '{cfg.norm_scheme}' cannot be exported to a plain fairseq Transformer "
                 f"({scheme.fairseq_export}); schemes that can: "
-                + ", ".join(name for name, s in SCHEMES.items() if s.plain is not None)
+                + ", ".join(name for name, s in SCHEMES.items() if s.fairseq_layout is not None)
             )
         checkpoint = checkpoint_dir(save_dir, tag)
         missing_layer_files(cfg, checkpoint)
-        return cls(checkpoint, cfg, scheme.plain_config(), schedule_step(checkpoint))
+        return cls(checkpoint, cfg, scheme.fairseq_config(), schedule_step(checkpoint))
 
     def folded_layers(self, trained: PartRunner) -> Iterator[tuple[PipePart, nn.Module]]:
-        """(plain part, folded plain module) in the parts' order, each built when its turn comes;
+        """(fairseq part, folded fairseq module) in the parts' order, each built when its turn comes;
         `trained` runs the trained layers."""
-        parts, plain_parts = pipe_parts(self.cfg), pipe_parts(self.plain)
+        parts, fairseq_parts = pipe_parts(self.cfg), pipe_parts(self.fairseq_cfg)
 
         def pairs():
-            built = zip(parts, plain_parts, build_parts(parts), build_parts(plain_parts), strict=True)
-            for index, (part, plain_part, module, plain_module) in enumerate(built):
+            built = zip(parts, fairseq_parts, build_parts(parts), build_parts(fairseq_parts), strict=True)
+            for index, (part, fairseq_part, module, fairseq_module) in enumerate(built):
                 module.eval()
-                plain_module.eval()
+                fairseq_module.eval()
                 if part.saved:
                     load_layer(layer_file(self.checkpoint, index), module)
                 ScheduleHook(module)(self.step)  # BranchNorm's alpha_t at the checkpoint's step
                 trained(part, module)
-                yield plain_part, module, plain_module
+                yield fairseq_part, module, fairseq_module
 
         yield from folded(pairs())
 
@@ -220,7 +220,7 @@ class Export:
         """The folded model's fairseq state dict, and its largest log-probability difference from the
         trained model on `batch`, over real target positions (eps dominates a pad position's state,
         which nothing reads)."""
-        trained, plain = PartRunner(batch), PartRunner(batch)
+        trained, exported = PartRunner(batch), PartRunner(batch)
         state: dict[str, torch.Tensor] = {}
         layers = tqdm(
             self.folded_layers(trained),
@@ -230,13 +230,13 @@ class Export:
             file=sys.stderr,
         )
         for part, module in layers:
-            plain(part, module)
+            exported(part, module)
             if part.saved:
                 for key, value in module.state_dict().items():
                     state[fairseq_key(part.name, key)] = value
-        fairseq_extras(self.plain, state)
+        fairseq_extras(self.fairseq_cfg, state)
         real = batch[1].ne(PAD)
-        return state, (trained.log_probs() - plain.log_probs()).abs()[real].max().item()
+        return state, (trained.log_probs() - exported.log_probs()).abs()[real].max().item()
 
     def write(
         self, out: Path, data: Path, final: Path, splits: list[str] | None, check_pairs: int = CHECK_PAIRS
@@ -254,7 +254,7 @@ class Export:
             "checkpoint": str(self.checkpoint),
             "step": self.step,
             "norm_scheme": self.cfg.norm_scheme,
-            "fairseq_layout": self.plain.norm_scheme,
+            "fairseq_layout": self.fairseq_cfg.norm_scheme,
             "encoder_layers": self.cfg.encoder_layers,
             "decoder_layers": self.cfg.decoder_layers,
             "parameters": sum(
@@ -263,7 +263,7 @@ class Export:
             "max_abs_log_prob_difference": difference,
             "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
         }
-        save_file(fairseq_checkpoint(self.plain, state, corpus, final, summary), out / CHECKPOINT)
+        save_file(fairseq_checkpoint(self.fairseq_cfg, state, corpus, final, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
             shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
         for path in spm_files:

@@ -1,10 +1,10 @@
-"""Folding a trained model's scheme-specific scalings into a plain Post-LN / Pre-LN Transformer.
+"""Folding a trained model's scheme-specific scalings into a fairseq Post-LN / Pre-LN Transformer.
 
 Every Post-LN-family sublayer computes LN(s * x + b * F(x)), (s, b) given by its residual's
 `scales()` (s: DeepNorm's alpha, Admin's omega vector, else 1; b: BranchNorm's alpha_t, else 1):
 - b goes into the branch's last projection (out_proj, fc2).
 - s (Admin, appendix C): the module that produced x, the previous LayerNorm or, for a stack's
-  first sublayer, an embedding with learned positions and its own table (Admin's plain_config),
+  first sublayer, an embedding with learned positions and its own table (Admin's fairseq_config),
   multiplies its output by s, and the projections that read x divide their inputs by s, so F
   still sees x. Exact.
 - A scalar s behind the embedding (DeepNorm's first sublayers): LayerNorm is scale invariant, so
@@ -43,37 +43,37 @@ def scale_output(producer: nn.Module | None, scale: float | torch.Tensor) -> Non
     elif isinstance(producer, nn.LayerNorm):
         producer.weight.mul_(scale)
         producer.bias.mul_(scale)
-    else:  # the scheme's plain_config must give its plain model learned positions
+    else:  # the scheme's fairseq_config must give its model learned positions
         raise TypeError(f"cannot scale the output of {type(producer).__name__}")
 
 
 class ScaleFolder:
-    """Copies each module of a trained model into its counterpart in the plain model, in model order,
+    """Copies each module of a trained model into its counterpart in the fairseq model, in model order,
     folding the residual scales in on the way."""
 
     def __init__(self) -> None:
         self.producer: nn.Module | None = None  # whose output the residual stream currently is
 
     @torch.no_grad()
-    def fold(self, original: nn.Module, plain: nn.Module) -> None:
+    def fold(self, original: nn.Module, target: nn.Module) -> None:
         if isinstance(original, Embedding):
-            plain.weight.copy_(original.weight)
-            if plain.positions is not None:
-                rows, dim = plain.positions.weight.shape
+            target.weight.copy_(original.weight)
+            if target.positions is not None:
+                rows, dim = target.positions.weight.shape
                 source = original.positions.weight if original.positions is not None else sinusoidal_table(rows, dim)
-                plain.positions.weight.copy_(source)
+                target.positions.weight.copy_(source)
         elif isinstance(original, TransformerLayer):
-            plain_keys = plain.state_dict().keys()
-            plain.load_state_dict({k: v for k, v in original.state_dict().items() if k in plain_keys})
+            target_keys = target.state_dict().keys()
+            target.load_state_dict({k: v for k, v in original.state_dict().items() if k in target_keys})
             for sublayer in SUBLAYERS[original.side]:
-                self._fold_sublayer(plain, original.get_submodule(sublayer.residual), sublayer)
-                self.producer = plain.get_submodule(sublayer.layer_norm)
+                self._fold_sublayer(target, original.get_submodule(sublayer.residual), sublayer)
+                self.producer = target.get_submodule(sublayer.layer_norm)
             return
         else:  # a stack's final LayerNorm (Pre-LN)
-            plain.load_state_dict(original.state_dict())
-        self.producer = plain
+            target.load_state_dict(original.state_dict())
+        self.producer = target
 
-    def _fold_sublayer(self, plain: nn.Module, residual: Residual, sublayer: Sublayer) -> None:
+    def _fold_sublayer(self, target: nn.Module, residual: Residual, sublayer: Sublayer) -> None:
         scales = residual.scales()
         if scales is None:
             return
@@ -83,13 +83,13 @@ class ScaleFolder:
             check_invertible(stream)
             scale_output(self.producer, stream)
             for name in sublayer.inputs:
-                plain.get_submodule(name).weight.div_(stream)
+                target.get_submodule(name).weight.div_(stream)
         else:
             # A scalar behind the embedding, whose table may be the tied output projection and whose
             # sinusoids cannot scale: LayerNorm's scale invariance, exact but for its eps.
             factor = branch / stream
         if factor != 1.0:
-            projection = plain.get_submodule(sublayer.output)
+            projection = target.get_submodule(sublayer.output)
             projection.weight.mul_(factor)
             projection.bias.mul_(factor)
 
@@ -98,7 +98,7 @@ def check_invertible(scale: float | torch.Tensor) -> None:
     smallest = torch.as_tensor(scale).abs().min().item()
     if smallest < SMALLEST_SCALE:
         raise ConfigError(
-            f"a residual scale has an entry near 0 ({smallest:.3g}); its reciprocal cannot be folded into a plain "
+            f"a residual scale has an entry near 0 ({smallest:.3g}); its reciprocal cannot be folded into a fairseq "
             "Transformer"
         )
 
@@ -107,22 +107,22 @@ Key = TypeVar("Key")
 
 
 def folded(modules: Iterable[tuple[Key, nn.Module, nn.Module]]) -> Iterator[tuple[Key, nn.Module]]:
-    """(key, trained module, plain module) in model order -> (key, folded plain module), each handed
+    """(key, trained module, fairseq module) in model order -> (key, folded fairseq module), each handed
     on once final: after the next module's fold, which may rescale its output."""
     folder, pending = ScaleFolder(), None
-    for key, original, plain in modules:
-        folder.fold(original, plain)
+    for key, original, target in modules:
+        folder.fold(original, target)
         if pending is not None:
             yield pending
-        pending = (key, plain)
+        pending = (key, target)
     if pending is not None:
         yield pending
 
 
 def fold_model(model: Transformer) -> Transformer:
-    """The plain Transformer computing what `model` (at its current step) computes."""
-    plain = Transformer(build_scheme(model.cfg).plain_config())
+    """The fairseq-layout Transformer computing what `model` (at its current step) computes."""
+    target = Transformer(build_scheme(model.cfg).fairseq_config())
     names = module_names(model.cfg)
-    for _ in folded((n, model.get_submodule(n), plain.get_submodule(n)) for n in names):
+    for _ in folded((n, model.get_submodule(n), target.get_submodule(n)) for n in names):
         pass
-    return plain.eval()
+    return target.eval()

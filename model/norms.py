@@ -38,8 +38,8 @@ class Residual(nn.Module):
         raise NotImplementedError
 
     def scales(self) -> tuple[float | torch.Tensor, float] | None:
-        """(s, b) of LN(s * x + b * F(x)): what export folds into a plain Post-LN sublayer (model/fold.py);
-        None where there is nothing to fold (Pre-LN's residual is the plain model's already)."""
+        """(s, b) of LN(s * x + b * F(x)): what export folds into a fairseq Post-LN sublayer (model/fold.py);
+        None where there is nothing to fold (Pre-LN's residual is the fairseq model's already)."""
         return None
 
 
@@ -96,8 +96,8 @@ class NormScheme:
     # model maps onto a plain fairseq Transformer.
     initialization: ClassVar[str] = "fairseq's"
     fairseq_export: ClassVar[str] = "yes, as is"
-    # The scheme a trained model folds into for export (post_ln or pre_ln); None: it cannot be.
-    plain: ClassVar[str | None] = "post_ln"
+    # The layout (scheme) a trained model folds into for export to fairseq: post_ln or pre_ln; None: it cannot be.
+    fairseq_layout: ClassVar[str | None] = "post_ln"
     # Pre-LN stacks end in a final LayerNorm (fairseq's encoder.layer_norm / decoder.layer_norm).
     normalize_before: ClassVar[bool] = False
 
@@ -136,9 +136,9 @@ class NormScheme:
         """The profiling pass a run's start makes before training; None: the scheme needs none."""
         return None
 
-    def plain_config(self) -> ModelConfig:
-        """The plain (fairseq) model this one folds into: same shapes, `plain` scheme."""
-        return dataclasses.replace(self.cfg, norm_scheme=self.plain, schemes={})
+    def fairseq_config(self) -> ModelConfig:
+        """The fairseq model this one folds into: same shapes, the `fairseq_layout` scheme."""
+        return dataclasses.replace(self.cfg, norm_scheme=self.fairseq_layout, schemes={})
 
 
 SCHEMES: dict[str, type[NormScheme]] = {}
@@ -155,9 +155,9 @@ def parse_model(data: Any, where: str = "model") -> ModelConfig:
     checked now, before any process trains."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object, got {data!r}")
-    plain = {k: v for k, v in data.items() if k not in SCHEMES}
+    fields = {k: v for k, v in data.items() if k not in SCHEMES}
     schemes = {k: v for k, v in data.items() if k in SCHEMES}
-    cfg = parse_section(ModelConfig, plain, where)
+    cfg = parse_section(ModelConfig, fields, where)
     cfg.schemes = {**cfg.schemes, **schemes}
     build_scheme(cfg)
     for name in schemes:
@@ -201,7 +201,7 @@ class PreLN(NormScheme):
     formula = "x = x + F(LN(x)); final LN after each stack"
     source = "Xiong et al. 2020"
     fairseq_export = "yes, with encoder/decoder_normalize_before"
-    plain = "pre_ln"
+    fairseq_layout = "pre_ln"
     normalize_before = True
 
     def residual(self, side: Side) -> Residual:
@@ -228,7 +228,7 @@ class ReZero(NormScheme):
     source = "Bachlechner et al. 2020, ReZero"
     initialization = "fairseq's; w = 0"
     fairseq_export = "no: w and the missing LayerNorms need a plugin"
-    plain = None
+    fairseq_layout = None
 
     def residual(self, side: Side) -> Residual:
         return ReZeroResidual()
@@ -288,11 +288,14 @@ class Admin(NormScheme):
     def profiling(self) -> Profiling:
         return Profiling(saved=self.options.profile, dropout=self.options.profile_dropout)
 
-    def plain_config(self) -> ModelConfig:
+    def fairseq_config(self) -> ModelConfig:
         # The first sublayer's omega scales the embedding output, sinusoids included: it folds into
         # the token table and a learned copy of the sinusoids, each stack's own (model/fold.py).
         return dataclasses.replace(
-            super().plain_config(), learned_pos=True, share_all_embeddings=False, share_decoder_input_output_embed=False
+            super().fairseq_config(),
+            learned_pos=True,
+            share_all_embeddings=False,
+            share_decoder_input_output_embed=False,
         )
 
 
@@ -378,7 +381,7 @@ class SubLN(PreLN):
     source = "Wang et al. 2022, Foundation Transformers (Magneto); torchscale"
     initialization = "torchscale's: PyTorch default; v_proj, out_proj, fc1, fc2 x gamma (not cross-attention)"
     fairseq_export = "no: the inner LayerNorms need a plugin"
-    plain = None
+    fairseq_layout = None
 
     def inner_norm(self, dim: int) -> nn.Module:
         return nn.LayerNorm(dim)
@@ -417,7 +420,7 @@ class TFixup(NormScheme):
         "xavier; v_proj, out_proj, fc1, fc2 x 0.67 N^-1/4 (enc), (9M)^-1/4 (dec); embeddings x (9N)^-1/4, (9M)^-1/4"
     )
     fairseq_export = "no: without LayerNorm it needs a plugin"
-    plain = None
+    fairseq_layout = None
 
     def residual(self, side: Side) -> Residual:
         return PreNorm()  # handed nn.Identity below: x + F(x)

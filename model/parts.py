@@ -27,7 +27,7 @@ class Part:
     """One module of the model, under its fairseq name (encoder.layers.3, decoder.output_projection)."""
 
     name: str
-    plain: type[nn.Module]
+    module_class: type[nn.Module]  # in the single-process model
     args: tuple[Any, ...]
     # Parts with one `tie` share one module, built and saved by the first of them; the later uses are
     # `reused`.
@@ -40,7 +40,7 @@ class Part:
         return not self.reused
 
     def build(self) -> nn.Module:
-        return self.plain(*self.args)
+        return self.module_class(*self.args)
 
 
 def reuse(first: Part, name: str) -> Part:
@@ -79,7 +79,7 @@ def model_parts(cfg: ModelConfig) -> list[Part]:
 
 
 def build_parts(parts: Iterable[Part]) -> Iterator[nn.Module]:
-    """A module for each part (`part.build()`: its plain class here, its pipe class for a
+    """A module for each part (`part.build()`: its module class here, its pipe class for a
     pipeline/stage_modules.PipePart), a shared table's uses sharing one, built one at a time as the
     caller asks for it (export streams a deep model); modules are in training mode."""
     tables: dict[str, nn.Module] = {}

@@ -39,12 +39,13 @@ from model.model_config import ModelConfig
 from model.parts import model_parts, module_names
 from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
 from pipeline.config.run_config import ValidBleu
+from pipeline.deepspeed_internals import built_stage_bounds
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:
     """(reference module name, module) of each layer of this rank's stage, in order; a tied table under
     the name of each of its uses."""
-    start, stop = pipe.parts[pipe.stage_id], pipe.parts[pipe.stage_id + 1]
+    start, stop = built_stage_bounds(pipe)[pipe.stage_id : pipe.stage_id + 2]
     parts = []
     for index, part in enumerate(model_parts(cfg)[start:stop], start):
         module = pipe.tied_modules[part.tie] if part.tie is not None else pipe.get_submodule(str(index))
@@ -64,7 +65,7 @@ class Stage:
         self.device, self.dtype = engine.device, next(engine.module.parameters()).dtype
         self.dim = cfg.embed_dim
         # the stages from the one that embeds target tokens on take part in every step
-        self.decodes = engine.module.parts[stage + 1] > module_names(cfg).index("decoder.embed_tokens")
+        self.decodes = built_stage_bounds(engine.module)[stage + 1] > module_names(cfg).index("decoder.embed_tokens")
         self.embeds = any(name == "decoder.embed_tokens" for name, _ in self.parts)
         self.decoder_layers = sum(name.startswith("decoder.layers.") for name, _ in self.parts)
 

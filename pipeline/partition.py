@@ -47,37 +47,37 @@ def layer_costs(cfg: ModelConfig) -> list[int]:
     return costs
 
 
-def _greedy_bounds(costs: list[int], parts: int, limit: int, required: list[bool]) -> list[int] | None:
+def _greedy_bounds(costs: list[int], stages: int, limit: int, required: list[bool]) -> list[int] | None:
     """Stages filled left to right up to `limit` each, every stage keeping at least one required
-    layer; None when `parts` stages cannot hold them all."""
+    layer; None when `stages` stages cannot hold them all."""
     bounds, load, has_required = [0], 0, False
     left = sum(required)  # required layers from i on
     for i, cost in enumerate(costs):
         # the required layers from here on are as many as the stages still to open: one each
-        must_cut = required[i] and left == parts - len(bounds)
+        must_cut = required[i] and left == stages - len(bounds)
         if has_required and (load + cost > limit or must_cut):
-            if len(bounds) == parts:
+            if len(bounds) == stages:
                 return None
             bounds.append(i)
             load, has_required = 0, False
         load += cost
         has_required |= required[i]
         left -= required[i]
-    return [*bounds, len(costs)] if load <= limit and len(bounds) == parts and has_required else None
+    return [*bounds, len(costs)] if load <= limit and len(bounds) == stages and has_required else None
 
 
-def balanced_bounds(costs: list[int], parts: int, required: list[bool] | None = None) -> list[int]:
-    """Where each of `parts` contiguous stages starts (and the end), each holding at least one
+def balanced_bounds(costs: list[int], stages: int, required: list[bool] | None = None) -> list[int]:
+    """Where each of `stages` contiguous stages starts (and the end), each holding at least one
     `required` layer (default: any), minimizing the costliest stage: a bisection on that cost, each
     probe a greedy left-to-right fill."""
     required = required or [True] * len(costs)
-    if not 1 <= parts <= sum(required):
-        raise ValueError(f"cannot cut {sum(required)} required layers into {parts} stages")
+    if not 1 <= stages <= sum(required):
+        raise ValueError(f"cannot cut {sum(required)} required layers into {stages} stages")
     low, high = max(costs) - 1, sum(costs)  # infeasible, feasible
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if _greedy_bounds(costs, parts, mid, required) else (mid, high)
-    return _greedy_bounds(costs, parts, high, required)
+        low, high = (low, mid) if _greedy_bounds(costs, stages, mid, required) else (mid, high)
+    return _greedy_bounds(costs, stages, high, required)
 
 
 def cut_stages(cfg: ModelConfig, stages: int) -> tuple[list[int], list[int]]:
@@ -107,13 +107,13 @@ class CostBalancedPipeline(ExternallyPartitioned):
         super().__init__(*args, **kwargs)
 
     def bounds(self) -> list[int]:
-        parts, costs = cut_stages(self.model_config, self.num_stages)
+        bounds, costs = cut_stages(self.model_config, self.num_stages)
         if self.global_rank == 0:
             mean = sum(costs) / len(costs)
-            for stage, (start, stop) in enumerate(itertools.pairwise(parts)):
+            for stage, (start, stop) in enumerate(itertools.pairwise(bounds)):
                 print(
                     f"fathom: stage {stage}: layers {start}-{stop - 1} ({stop - start}), "
                     f"estimated compute {costs[stage] / mean:.3f} x mean",
                     flush=True,
                 )
-        return parts
+        return bounds

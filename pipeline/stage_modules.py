@@ -1,7 +1,7 @@
 """model/parts.py's parts in the form DeepSpeed's PipelineModule runs them (GPT-NeoX's `*Pipe` pattern).
 
-Each part's pipe class is a subclass of its plain class whose forward takes and returns one tuple of
-tensors, because that is all that crosses a stage boundary; being a subclass, it has the plain
+Each part's pipe class is a subclass of its module class whose forward takes and returns one tuple of
+tensors, because that is all that crosses a stage boundary; being a subclass, it has the module
 class's parameter names, so one layer file loads into either. Token ids ride along as integer tensors
 (never floats, which DeepSpeed would expect gradients for), so only the first stage reads inputs and
 only the last reads labels:

@@ -96,9 +96,9 @@ def test_profiling_with_dropout_as_the_authors_code_gives_larger_omegas():
     cfg = config("admin", encoder_layers=4, decoder_layers=4, dropout=0.3)
     model = Transformer(cfg).eval()
     src, prev = torch.randint(4, 30, (8, 9)), torch.randint(4, 30, (8, 8))
-    plain = omegas_from(profile(model, src, prev), cfg)
-    assert omegas_from(profile(model, src, prev), cfg) == plain  # no dropout: no randomness
+    without_dropout = omegas_from(profile(model, src, prev), cfg)
+    assert omegas_from(profile(model, src, prev), cfg) == without_dropout  # no dropout: no randomness
     with_dropout = omegas_from(profile(model, src, prev, dropout=True), cfg)
-    ratios = [with_dropout[name] / plain[name] for name in plain if plain[name] != 1.0]
+    ratios = [with_dropout[name] / without_dropout[name] for name in without_dropout if without_dropout[name] != 1.0]
     assert len(ratios) == 2 * 4 - 1 + 3 * 4 - 1 and min(ratios) > 1.0
     assert not model.training and not any(m.training for m in model.modules())

@@ -41,8 +41,8 @@ def assert_same_run(expected: Path, actual: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    save_dir = tmp_path_factory.mktemp("reference")
+def one_launcher_run(tmp_path_factory) -> Path:
+    save_dir = tmp_path_factory.mktemp("one_launcher")
     run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), *train_command(save_dir)])
     return save_dir
 
@@ -53,7 +53,7 @@ def mpirun_flags() -> list[str]:
     return ["--allow-run-as-root"] if os.geteuid() == 0 else []
 
 
-def test_two_nodes_from_a_hostfile_train_like_one_launcher(tmp_path, reference):
+def test_two_nodes_from_a_hostfile_train_like_one_launcher(tmp_path, one_launcher_run):
     """Stage 0 on "node" worker-0, stage 1 on worker-1: one launcher per node, as on a cluster without ssh."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("worker-0 slots=1\nworker-1 slots=1\n")
@@ -76,19 +76,19 @@ def test_two_nodes_from_a_hostfile_train_like_one_launcher(tmp_path, reference):
     assert "{'worker-0': [0], 'worker-1': [1]}" in outputs[1]  # node 1's launcher started global rank 1
     placement = json.loads((save_dir / "memory.json").read_text())
     assert [(p["rank"], p["stage"]) for p in placement] == [(0, 0), (1, 1)]
-    assert_same_run(reference, save_dir)
+    assert_same_run(one_launcher_run, save_dir)
 
 
-def test_mpirun_trains_like_one_launcher(tmp_path, reference):
+def test_mpirun_trains_like_one_launcher(tmp_path, one_launcher_run):
     save_dir = tmp_path / "run"
     # DeepSpeed's MPI discovery takes the rendezvous port from train.py, which reads MASTER_PORT.
     env = {**ENV, "MASTER_PORT": str(free_port())}
     cmd = ["mpirun", *mpirun_flags(), "--oversubscribe", "-np", "2", sys.executable, *train_command(save_dir)]
     run(cmd, env)
-    assert_same_run(reference, save_dir)
+    assert_same_run(one_launcher_run, save_dir)
 
 
-def test_deepspeed_openmpi_launcher_trains_like_one_launcher(tmp_path, reference):
+def test_deepspeed_openmpi_launcher_trains_like_one_launcher(tmp_path, one_launcher_run):
     """Through scripts/launch.py, which checks the hostfile and execs the same deepspeed command."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
@@ -102,4 +102,4 @@ def test_deepspeed_openmpi_launcher_trains_like_one_launcher(tmp_path, reference
     launcher += ["--master_addr", "127.0.0.1", f"--launcher_args={mpi_args}"]
     output = run([sys.executable, "scripts/launch.py", *launcher, *train_command(save_dir)], env)
     assert "cmd = mpirun -n 2 -hostfile" in output
-    assert_same_run(reference, save_dir)
+    assert_same_run(one_launcher_run, save_dir)

@@ -111,9 +111,9 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
 
 
 def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
-    reference = tmp_path / "uninterrupted"
+    uninterrupted = tmp_path / "uninterrupted"
     result = launch(WORKER, "--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES,
-                    f"train.save_dir={reference}")  # fmt: skip
+                    f"train.save_dir={uninterrupted}")  # fmt: skip
     assert result.returncode == 0
 
     rng = random.Random(20261122)
@@ -138,7 +138,7 @@ def test_ten_kills_resume_to_the_uninterrupted_weights(tmp_path):
     assert final.returncode == 0, final.stdout[-4000:] + final.stderr[-4000:]
     print("\n".join(history))
 
-    assert_same_training(reference, run)
+    assert_same_training(uninterrupted, run)
     assert not [p.name for p in run.glob("*global_step*") if p.is_dir() and read_manifest(p) is None]
 
 

@@ -20,7 +20,7 @@ from model.norms import SCHEMES
 from model.trained import load_reference
 from tests.helpers import ROOT, edit_prepared, launch
 
-EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]  # the registry's
+EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
 # Enough training for real (if poor) sentences, so equal hypotheses mean something.
 STEPS = (
@@ -185,18 +185,18 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
 @pytest.mark.slow
 def test_exports_import_back(exported, runs, multi30k_slice, tmp_path):
     """fairseq -> ours: a Post-LN or Pre-LN export comes back with the very same weights; a folded
-    scheme comes back as the plain model that computes what it computed."""
+    scheme comes back as the fairseq-layout model that computes what it computed."""
     src, prev = sample_batch(multi30k_slice)
     for case in EXPORTED:
         back = tmp_path / case
         from_fairseq.main(["--fairseq-checkpoint", str(exported[case] / "checkpoint.pt"), "--out", str(back)])
         imported, original = load_reference(back), load_reference(runs / case)
-        if SCHEMES[case].plain == case:  # nothing to fold
+        if SCHEMES[case].fairseq_layout == case:  # nothing to fold
             assert imported.state_dict().keys() == original.state_dict().keys()
             for key, value in original.state_dict().items():
                 assert torch.equal(imported.state_dict()[key], value), (case, key)
-        plain = fold_model(original)
-        assert imported.cfg == plain.cfg, case
+        folded = fold_model(original)
+        assert imported.cfg == folded.cfg, case
         assert max_difference(our_log_probs(back, src, prev), our_log_probs(runs / case, src, prev), prev) < TOLERANCE
 
 
@@ -265,7 +265,7 @@ def write_run_config(save_dir: Path, **model) -> Path:
     return save_dir
 
 
-@pytest.mark.parametrize("scheme", [name for name, s in SCHEMES.items() if s.plain is None])
+@pytest.mark.parametrize("scheme", [name for name, s in SCHEMES.items() if s.fairseq_layout is None])
 def test_unexportable_scheme_is_refused(scheme, tmp_path, capsys, multi30k_slice):
     run = write_run_config(tmp_path / "run", norm_scheme=scheme)
     message = failure(

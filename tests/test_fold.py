@@ -1,4 +1,4 @@
-"""Folding each exportable scheme into a plain Post-LN / Pre-LN Transformer (model/fold.py)."""
+"""Folding each exportable scheme into a fairseq Post-LN / Pre-LN Transformer (model/fold.py)."""
 
 import dataclasses
 
@@ -13,8 +13,8 @@ from model.model_config import PAD
 from model.norms import ScheduleHook
 from model.transformer import Transformer
 
-EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.plain is not None]
-FOLDED = [name for name in EXPORTABLE if SCHEMES[name].plain != name]  # whose scalings export folds away
+EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]
+FOLDED = [name for name in EXPORTABLE if SCHEMES[name].fairseq_layout != name]  # whose scalings export folds away
 
 
 def trained_looking(scheme: str, **kw) -> Transformer:
@@ -57,18 +57,18 @@ def test_folded_model_computes_the_same(scheme, share):
         share_decoder_input_output_embed=share.startswith("decoder"),
         learned_pos=share.endswith("learned_pos"),
     )
-    plain = fold_model(model)
-    assert plain.cfg.norm_scheme == SCHEMES[scheme].plain
-    assert not any("omega" in name for name, _ in plain.named_parameters())
+    folded = fold_model(model)
+    assert folded.cfg.norm_scheme == SCHEMES[scheme].fairseq_layout
+    assert not any("omega" in name for name, _ in folded.named_parameters())
     src, prev = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
     src[0, :2] = PAD
-    difference = (log_probs(model, src, prev) - log_probs(plain, src, prev)).abs().max().item()
+    difference = (log_probs(model, src, prev) - log_probs(folded, src, prev)).abs().max().item()
     # DeepNorm's first sublayers fold through LayerNorm's scale invariance, which moves its eps
     assert difference < (1e-5 if scheme == "deepnorm" else 2e-6)
 
 
 def test_folding_is_not_the_identity():
-    """The schemes' scalings matter: the trained weights read as a plain model compute something else."""
+    """The schemes' scalings matter: the trained weights read as a Post-LN model compute something else."""
     torch.manual_seed(0)
     for scheme in FOLDED:
         model = trained_looking(scheme)
@@ -81,13 +81,13 @@ def test_folding_is_not_the_identity():
 def test_admin_folds_its_first_omega_into_learned_positions():
     torch.manual_seed(0)
     model = trained_looking("admin", share_all_embeddings=True)
-    plain = fold_model(model)
-    assert plain.cfg.learned_pos and not plain.cfg.share_all_embeddings
+    folded = fold_model(model)
+    assert folded.cfg.learned_pos and not folded.cfg.share_all_embeddings
     omega = model.encoder.layers[0].self_attn_residual.omega
-    rows = plain.encoder.embed_tokens.positions.weight
+    rows = folded.encoder.embed_tokens.positions.weight
     assert torch.allclose(rows, sinusoidal_table(len(rows), 16) * omega.detach())
     # the output projection keeps the unscaled table
-    assert torch.equal(plain.decoder.output_projection.weight, model.encoder.embed_tokens.weight)
+    assert torch.equal(folded.decoder.output_projection.weight, model.encoder.embed_tokens.weight)
 
 
 def test_a_zero_omega_cannot_be_folded():

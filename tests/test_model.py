@@ -156,9 +156,11 @@ def test_the_model_and_the_pipeline_are_built_from_the_same_parts(share):
         p.numel() for part in saved for p in model.get_submodule(part.name).parameters()
     )
     for part, pipe in zip(parts, build_parts(pipe_parts(cfg)), strict=True):
-        plain = model.get_submodule(part.name)
-        assert isinstance(pipe, type(plain))
-        assert {k: v.shape for k, v in pipe.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+        module = model.get_submodule(part.name)
+        assert isinstance(pipe, type(module))
+        assert {k: v.shape for k, v in pipe.state_dict().items()} == {
+            k: v.shape for k, v in module.state_dict().items()
+        }
 
 
 def test_dropout_keeps_each_element_with_probability_1_minus_p_and_rescales():

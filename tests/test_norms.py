@@ -124,7 +124,7 @@ def test_t_fixup_init_scales_v_out_and_xavier_ffn(layer_cls, side, hand_scale):
     """T-Fixup for N=3, M=2: encoder 0.67 N^(-1/4), decoder (9M)^(-1/4); v_proj starts from gain-1 xavier."""
     scale = t_fixup_scale(3, 2, side)
     assert scale == pytest.approx(hand_scale, abs=1e-5)
-    fixup, plain = params_beside_default_init(layer_cls, config("t_fixup", embed_dim=64, ffn_dim=256))
+    fixup, default = params_beside_default_init(layer_cls, config("t_fixup", embed_dim=64, ffn_dim=256))
     assert not any("layer_norm" in name for name in fixup)
     for name, param in fixup.items():
         leaf = name.split(".")[-2]
@@ -135,7 +135,7 @@ def test_t_fixup_init_scales_v_out_and_xavier_ffn(layer_cls, side, hand_scale):
                 assert param.std().item() == pytest.approx(scale * xavier_bound / math.sqrt(3), rel=0.05), name
             continue
         factor = {"v_proj": scale * math.sqrt(2), "out_proj": scale}.get(leaf, 1.0) if name.endswith("weight") else 1
-        torch.testing.assert_close(param, factor * plain[name], rtol=1e-6, atol=0, msg=name)
+        torch.testing.assert_close(param, factor * default[name], rtol=1e-6, atol=0, msg=name)
 
 
 def test_t_fixup_scales_token_embeddings_per_side():
@@ -144,9 +144,9 @@ def test_t_fixup_scales_token_embeddings_per_side():
         model = Transformer(config("t_fixup", src_vocab_size=2000, tgt_vocab_size=2000, **kw))
         return [e.weight[4:].std().item() for e in (model.encoder.embed_tokens, model.decoder.embed_tokens)]
 
-    plain = 32**-0.5
-    assert embedding_std() == pytest.approx([0.43869 * plain, 0.48549 * plain], rel=0.03)  # (9*3), (9*2)
-    assert embedding_std(share_all_embeddings=True) == pytest.approx([0.43869 * plain] * 2, rel=0.03)
+    default_std = 32**-0.5
+    assert embedding_std() == pytest.approx([0.43869 * default_std, 0.48549 * default_std], rel=0.03)  # (9*3), (9*2)
+    assert embedding_std(share_all_embeddings=True) == pytest.approx([0.43869 * default_std] * 2, rel=0.03)
 
 
 def sublayers(layer, encoder_out: torch.Tensor | None) -> list[tuple]:
@@ -173,7 +173,7 @@ def written_layer(layer, x: torch.Tensor, formula: str, a: float = 1.0, encoder_
     for branch, ln, residual in sublayers(layer, encoder_out):
         if formula == "pre":  # Pre-LN, and Sub-LN (whose extra LayerNorms sit inside F)
             x = x + branch(ln(x))
-        elif formula == "plain":  # T-Fixup: x + F(x), no LayerNorm
+        elif formula == "no_ln":  # T-Fixup: x + F(x), no LayerNorm
             x = x + branch(x)
         elif formula == "rezero":  # x + w F(x), no LayerNorm
             x = x + residual.weight * branch(x)
@@ -201,7 +201,7 @@ def test_layer_follows_formula(scheme, side):
         "sub_ln": ("pre", 1.0),
         "deepnorm": ("post_alpha", deepnorm_constants(3, 2, side)[0]),
         "branchnorm": ("post", 0.25),  # alpha_t at t = 2 of T = 8
-        "t_fixup": ("plain", 1.0),
+        "t_fixup": ("no_ln", 1.0),
         "rezero": ("rezero", 1.0),
         "admin": ("admin", 1.0),
     }.get(scheme, ("post", 1.0))

@@ -53,8 +53,8 @@ def test_mixed_model_is_balanced_by_cost_not_by_layer_count(cfg, stages):
     assert imbalance(stage_costs(cfg, stages)) < imbalance(by_layer_count(cfg, stages))
 
 
-def slowest_stage_by_brute_force(costs: list[int], parts: int, required: list[bool]) -> int:
-    cuts = itertools.combinations(range(1, len(costs)), parts - 1)
+def slowest_stage_by_brute_force(costs: list[int], stages: int, required: list[bool]) -> int:
+    cuts = itertools.combinations(range(1, len(costs)), stages - 1)
     stages = [list(itertools.pairwise([0, *cut, len(costs)])) for cut in cuts]
     return min(max(sum(costs[a:b]) for a, b in s) for s in stages if all(any(required[a:b]) for a, b in s))
 
@@ -67,12 +67,12 @@ def test_balanced_bounds_cut_the_optimal_stages(costs, marked):
     """Optimal bottleneck, every stage holding a required layer (all; or all but the two ends, like
     the embedding and output layers around the Transformer layers)."""
     required = [marked == "all" or 0 < i < len(costs) - 1 for i in range(len(costs))]
-    for parts in range(1, sum(required) + 1):
-        bounds = balanced_bounds(costs, parts, required)
-        assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == parts + 1
+    for stages in range(1, sum(required) + 1):
+        bounds = balanced_bounds(costs, stages, required)
+        assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == stages + 1
         assert all(any(required[a:b]) for a, b in itertools.pairwise(bounds)), "every stage holds a required layer"
         slowest = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
-        assert slowest == slowest_stage_by_brute_force(costs, parts, required)
+        assert slowest == slowest_stage_by_brute_force(costs, stages, required)
 
 
 def test_every_stage_holds_a_transformer_layer():
@@ -89,9 +89,9 @@ def test_balanced_bounds_match_deepspeeds_slowest_stage_and_take_milliseconds():
     """DeepSpeed's partition_balanced minimizes max - min in O(n^2 m) Python; the slowest stage is what
     the pipeline waits for, and ours is never slower."""
     costs = layer_costs(config(30, 64, 256, 1000))
-    for parts in (2, 3, 8):
-        ours = balanced_bounds(costs, parts)
-        theirs = partition_balanced(weights=costs, num_parts=parts)
+    for stages in (2, 3, 8):
+        ours = balanced_bounds(costs, stages)
+        theirs = partition_balanced(weights=costs, num_parts=stages)
         slowest = [max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)) for bounds in (ours, theirs)]
         assert slowest[0] <= slowest[1]
 

@@ -84,7 +84,7 @@ def gathered_state(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
                         pieces[name][key].append(tensor.narrow(0, address.start, address.numel))
                     pieces[name]["step"] = [adam["step"]]
             for name, shape in names.items():
-                param = {key: torch.cat(parts).view(shape) for key, parts in pieces[name].items() if key != "step"}
+                param = {key: torch.cat(slices).view(shape) for key, slices in pieces[name].items() if key != "step"}
                 param["step"] = pieces[name]["step"][0]
                 if name in gathered:  # a tied table: each stage holding it keeps the same state
                     assert all(torch.equal(param[key], gathered[name][key]) for key in param), name

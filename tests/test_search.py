@@ -9,10 +9,10 @@ import torch
 import model.cache
 from corpus.batches import collate
 from model import SCHEMES, ModelConfig, Transformer
+from model.full_recompute_search import full_recompute_search
 from model.loss import label_smoothed_cross_entropy
 from model.model_config import EOS
 from model.norms import ScheduleHook
-from model.reference_search import full_recompute_search
 from model.search import ModelDecoder, SearchConfig, beam_search, search
 
 

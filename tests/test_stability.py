@@ -32,21 +32,21 @@ SMALL = [
 
 
 def test_describe_names_the_first_nonfinite_output_and_its_stage():
-    names, parts = ["embed", "a", "b", "c", "out"], [0, 2, 5]
+    names, bounds = ["embed", "a", "b", "c", "out"], [0, 2, 5]
     outputs = [False, False, True, True, True]
-    assert describe(True, outputs, [True] * 5, names, parts) == (
+    assert describe(True, outputs, [True] * 5, names, bounds) == (
         "non-finite loss; first non-finite output: stage 1, layer 2 (b)"
     )
 
 
 def test_describe_with_finite_outputs_names_the_gradient_that_broke_first_in_backward_order():
-    names, parts = ["embed", "a", "b", "c", "out"], [0, 2, 5]
-    found = describe(False, [False] * 5, [True, True, False, False, False], names, parts)
+    names, bounds = ["embed", "a", "b", "c", "out"], [0, 2, 5]
+    found = describe(False, [False] * 5, [True, True, False, False, False], names, bounds)
     assert found == (
         "non-finite gradient; outputs finite; non-finite parameter gradients in 2 layer(s), "
         "the first in backward order: stage 0, layer 1 (a)"
     )
-    assert describe(True, [False] * 5, [False] * 5, names, parts) == (
+    assert describe(True, [False] * 5, [False] * 5, names, bounds) == (
         "non-finite loss; every layer's output and gradient finite"
     )
 

@@ -7,7 +7,7 @@ layer. Both systems run one optimizer step over `micro_batches` micro-batches of
 with the same dropout, loss and AdamW:
 
 - plain: the single-process Transformer, gradients accumulated over the micro-batches, then AdamW;
-  no activation checkpointing and no gradient clipping: what the model itself costs, the reference;
+  no activation checkpointing and no gradient clipping: what the model itself costs, the baseline;
 - plain-checkpointed: the same with every `checkpoint_interval`-th layer under torch's checkpoint
   (reentrant, random states saved and restored): what recomputation costs a plain loop;
 - engine: what scripts/train.py runs, at one stage: build_engine (ZeRO-1, gradient clipping at 1.0)

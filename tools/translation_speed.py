@@ -10,8 +10,9 @@ Every system gets the same beam, length penalty, length limits, sentences per ba
 settings (common/heap.py), and the systems take turns round by round, so a noisy machine slows them
 alike. Times are of decoding alone: model loading and start-up are excluded (for fairseq, its own
 "Translated ... in S s"). The hypotheses of each system are compared with the incremental search's,
-sentence by sentence after SentencePiece decoding. The full-recompute search is model/reference_search.py,
-the incremental search's specification; fairseq needs `bash scripts/setup_fairseq_env.sh`.
+sentence by sentence after SentencePiece decoding. The full-recompute search is
+model/full_recompute_search.py, the incremental search's specification; fairseq needs
+`bash scripts/setup_fairseq_env.sh`.
 
     python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30]
 
@@ -40,8 +41,8 @@ from common.outputs import check_writable_file
 from common.tables import markdown_row, markdown_rule, markdown_table
 from convert.to_fairseq import main as export_main
 from corpus.dataset import BinarizedCorpus
+from model.full_recompute_search import full_recompute_search
 from model.model_config import NUM_SPECIAL, ModelConfig
-from model.reference_search import full_recompute_search
 from model.search import SearchConfig, beam_search
 from translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
 
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                 took, hypotheses[name] = decode()
                 seconds[name].append(took)
                 print(f"round {round_ + 1}: {name} {took:.1f} s", file=sys.stderr, flush=True)
-    reference = hypotheses.get("incremental")
+    incremental = hypotheses.get("incremental")
     return {
         "sentences": len(sources),
         "threads": args.threads,
@@ -159,8 +160,8 @@ def run(args: argparse.Namespace) -> dict:
                 "seconds": times,
                 "median_seconds": statistics.median(times),
                 "same_as_incremental": None
-                if reference is None
-                else sum(a == b for a, b in zip(hypotheses[name], reference, strict=True)),
+                if incremental is None
+                else sum(a == b for a, b in zip(hypotheses[name], incremental, strict=True)),
             }
             for name, times in seconds.items()
         },

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from model.model_config import ModelConfig
 from model.parts import module_names, saved_names
 from pipeline.deepspeed_internals import (
+    built_stage_bounds,
     gradient_norms,
     loss_scale,
     replace_model_step,
@@ -63,17 +64,22 @@ def exit_on_nonfinite(report: bool = True) -> Iterator[None]:
 
 
 def describe(
-    loss_nonfinite: bool, outputs_nonfinite: list[bool], grads_nonfinite: list[bool], names: list[str], parts: list[int]
+    loss_nonfinite: bool,
+    outputs_nonfinite: list[bool],
+    grads_nonfinite: list[bool],
+    names: list[str],
+    bounds: list[int],
 ) -> str | None:
     """What went non-finite in a step, one line; None if the loss and every gradient are finite.
 
-    outputs_/grads_nonfinite are per pipeline layer; parts are the stage bounds (PipelineModule.parts).
+    outputs_/grads_nonfinite are per pipeline layer; bounds: the first layer of each stage, then the layer
+    count (built_stage_bounds).
     """
     if not loss_nonfinite and not any(grads_nonfinite):
         return None
 
     def where(layer: int) -> str:
-        return f"stage {bisect.bisect_right(parts, layer) - 1}, layer {layer} ({names[layer]})"
+        return f"stage {bisect.bisect_right(bounds, layer) - 1}, layer {layer} ({names[layer]})"
 
     found = "non-finite loss" if loss_nonfinite else "non-finite gradient"
     if any(outputs_nonfinite):
@@ -117,7 +123,7 @@ class StabilityGuard:
     ):
         self.engine, self.pipe = engine, engine.module
         self.grad_norm_interval, self.write_norms = grad_norm_interval, write_norms
-        self.names = module_names(cfg)
+        self.names, self.bounds = module_names(cfg), built_stage_bounds(self.pipe)
         # Layers named in checkpoints: each holds its own parameters (a tied table: its first use).
         self.saved = saved_names(cfg)
         self.found: str | None = None
@@ -139,8 +145,8 @@ class StabilityGuard:
         optimizer = engine.optimizer
         # The engine skips a step only for optimizers that report `overflow`: DeepSpeed's own wrappers.
         self.optimizer_checks = hasattr(optimizer, "overflow")
-        if not self.optimizer_checks:  # a plain torch optimizer
-            self._guard_plain_optimizer(optimizer)
+        if not self.optimizer_checks:  # a torch optimizer, not one of DeepSpeed's wrappers
+            self._guard_torch_optimizer(optimizer)
         elif getattr(optimizer, "compute_grad_norm", True) is False:
             # fp32 ZeRO without its gradient norm would check nothing: use its fp16 overflow check.
             optimizer.check_grad_overflow = True
@@ -162,7 +168,7 @@ class StabilityGuard:
         # layer, kept on the device and read once per step, so no host sync per layer.
         self.extremes.append((layer, torch.aminmax(x.detach())))
 
-    def _guard_plain_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _guard_torch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         step = optimizer.step
 
         def guarded_step(*args: Any, **kwargs: Any) -> Any:
@@ -210,7 +216,7 @@ class StabilityGuard:
         # fp16 gradients are loss-scaled: their overflow is routine, and DeepSpeed's loss scaler skips the
         # step and lowers the scale; only a non-finite loss is divergence there.
         self.found = describe(
-            summary[0] > 0, outputs_nonfinite, [g and not fp16 for g in grads_nonfinite], self.names, self.pipe.parts
+            summary[0] > 0, outputs_nonfinite, [g and not fp16 for g in grads_nonfinite], self.names, self.bounds
         )
         if self.grad_norm_interval and step % self.grad_norm_interval == 0 and self.write_norms is not None:
             scale = loss_scale(engine) if fp16 else 1.0

@@ -85,9 +85,9 @@ class TimeBreakdown:
         for rank in range(len(records[0]["ms"])):
             rows = [record["ms"][rank] for record in records]
             mean = {key: sum(row[key] for row in rows) / len(rows) for key in ["step", *self.names]}
-            parts = sorted(self.names, key=lambda name: -mean[name])
+            busiest = sorted(self.names, key=lambda name: -mean[name])
             other = mean["step"] - sum(mean[name] for name in self.names)
-            times = " | ".join(f"{name} {mean[name]:.1f}" for name in parts if mean[name] >= 0.05)
+            times = " | ".join(f"{name} {mean[name]:.1f}" for name in busiest if mean[name] >= 0.05)
             step, stage = mean["step"], rows[0]["stage"]
             lines.append(f"fathom:   rank {rank} (stage {stage}): step {step:.1f} | {times} | other {other:.1f}")
         return lines

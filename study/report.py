@@ -166,9 +166,9 @@ def grid_table(spec: StudySpec, grid: Grid, summaries: dict[Cell, dict[str, Any]
 
 def tables(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str:
     """The main grid, then each further grid under its title."""
-    parts = [grid_table(spec, spec.main_grid(), summaries)]
-    parts += [(f"### {g.title}\n\n" if g.title else "") + grid_table(spec, g, summaries) for g in spec.grids]
-    return "\n\n".join(parts)
+    sections = [grid_table(spec, spec.main_grid(), summaries)]
+    sections += [(f"### {g.title}\n\n" if g.title else "") + grid_table(spec, g, summaries) for g in spec.grids]
+    return "\n\n".join(sections)
 
 
 def cell_list(summaries: dict[Cell, dict[str, Any] | None]) -> str:

@@ -60,3 +60,23 @@ def test_the_config_table_names_every_key_and_only_real_ones():
     assert missing == [], f"docs/TRAINING.md's config table lacks {missing}"
     unknown = sorted(key for key in documented if PLACEHOLDER not in key and not key_exists(key))
     assert unknown == [], f"docs/TRAINING.md's config table names keys no section has: {unknown}"
+
+
+def test_a_nested_sections_row_names_each_of_its_keys():
+    """A nested section documented in one row (train.valid_bleu, whose keys are model.search.SearchConfig's
+    and `sentences`) names every key it has, so a new search setting cannot go undocumented."""
+    rows = {}
+    for line in (ROOT / "docs" / "TRAINING.md").read_text().splitlines():
+        if line.startswith("| `"):
+            rows[re.findall(r"`([^`]+)`", line.split(" | ")[0])[0]] = line
+    checked = 0
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            inner, key = nested(hints[field.name]), f"{section}.{field.name}"
+            if inner is None or key not in rows:
+                continue
+            checked += 1
+            missing = [f.name for f in dataclasses.fields(inner) if f"`{f.name}`" not in rows[key]]
+            assert missing == [], f"docs/TRAINING.md's row for {key} does not name {missing}"
+    assert checked, "no nested section is documented in one row"

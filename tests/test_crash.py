@@ -92,6 +92,9 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
             while steps_done(save_dir) < target and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.0, 0.3))
+            if proc.poll() is not None:
+                ended = proc.stdout.read()[-4000:]
+                pytest.fail(f"{kill}: the run ended ({proc.returncode}) before it was killed\n{ended}")
             if kill == "job":
                 os.killpg(proc.pid, signal.SIGKILL)
             else:

@@ -103,7 +103,10 @@ def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
 
 
 def upgrade_manifest(manifest: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
-    """`manifest`, read from `checkpoint`, in FORMAT; fails in one line for one of a newer fathom."""
+    """`manifest`, read from `checkpoint`, in FORMAT; fails in one line for one of a newer fathom. A
+    first-format manifest without a schedule step costs a read of the checkpoint's MODEL_STATES file,
+    every time it is read: such checkpoints are only those of a fathom from before schedule steps were
+    recorded."""
     version = manifest.get("format", 1)
     if version > FORMAT:
         raise ConfigError(

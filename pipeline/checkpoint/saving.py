@@ -190,7 +190,8 @@ def committed_files(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 
 def verify(save_dir: str | Path) -> None:
     """Fails in one line unless the latest checkpoint's files are all there at their saved sizes. Reads
-    no file: every rank runs it before launching."""
+    none of them (every rank runs it before launching), but for a manifest of fathom's first format
+    without a schedule step, whose upgrade reads DeepSpeed's counters (checkpoint_format.upgrade_manifest)."""
     if (committed := committed_files(save_dir)) is None:
         return
     checkpoint, manifest = committed

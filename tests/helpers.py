@@ -132,6 +132,11 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
     return save_dir
 
 
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Size and modification time of everything under `directory`: what a refusal must leave as it was."""
+    return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
+
+
 def without_matplotlib(tmp_path: Path) -> dict[str, str]:
     """An environment whose Python finds no matplotlib (an optional extra), as after a plain install."""
     shim = tmp_path / "no-matplotlib" / "matplotlib"

@@ -17,6 +17,7 @@ from model import Transformer
 from model.norms import BranchScaled, parse_model
 from model.parts import saved_names
 from model.trained import load_reference
+from tests.helpers import snapshot
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
          "src_vocab_size": 12, "tgt_vocab_size": 12, "norm_scheme": "branchnorm", "branchnorm": {"T": 100}}  # fmt: skip
@@ -163,10 +164,6 @@ def test_a_full_disk_is_one_line_and_leaves_no_tag(run, root):
     err = result.stderr.strip()
     assert result.returncode == 1 and len(err.splitlines()) == 1 and err.endswith(": File too large"), err
     assert snapshot(run) == before
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
 
 
 def replace_layer(run: Path, tag: str, index: int, change) -> None:

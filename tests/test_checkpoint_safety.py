@@ -20,7 +20,7 @@ from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.train import main
-from tests.helpers import ROOT, assert_same_training, edit_prepared, launch
+from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
 from translation.generate import main as generate_main
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -45,10 +45,6 @@ def run(trained, tmp_path) -> Path:
     copy = tmp_path / "run"
     shutil.copytree(trained, copy, symlinks=True)
     return copy
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
 
 
 def resume_fails(capsys, monkeypatch, run: Path, data: Path, *overrides: str, world_size: int = 2) -> str:

@@ -12,10 +12,11 @@ import typing
 import pytest
 
 from common import machine
+from common.checkpoint_format import MANIFEST
 from common.errors import ConfigError
 from common.heap import CPU_HEAPS
 from common.jsonl import read_jsonl
-from common.run_layout import CONFIG_HISTORY, LATEST, META_FILE
+from common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, META_FILE, METRICS_FILE
 from model.norms import DEEPNORM_INITS, GROWTH, BranchNorm, DeepNorm
 from model.search import SearchConfig
 from pipeline.checkpoint.run_directory import RunDirectory
@@ -23,7 +24,7 @@ from pipeline.config import deepspeed_values
 from pipeline.config.history import record_config
 from pipeline.config.run_config import TrainConfig, ValidBleu, load_config
 from pipeline.train import main
-from tests.helpers import ROOT, launch
+from tests.helpers import ROOT, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
@@ -275,6 +276,32 @@ def test_a_run_directory_is_removed_only_if_the_run_made_it_and_saved_nothing(tm
     (validated.path / "best_global_step3").mkdir()
     (validated.path / "best").symlink_to("best_global_step3")
     assert not validated.abandon() and (validated.path / "best_global_step3").exists()
+
+
+def test_a_failed_run_removes_only_what_holds_nothing_but_its_own_files(tmp_path):
+    """Run A made p1/ for p1/expA, run B then saved checkpoints in p1/expB: A failing before its first
+    checkpoint removed p1 whole, and B's run with it. Its own records go, then each directory it made
+    that is left empty; one that holds anything else stays, with its parents."""
+    stopped = RunDirectory(tmp_path / "p1" / "expA", rank=0)
+    stopped.open()
+    beside = RunDirectory(tmp_path / "p1" / "expB", rank=0)
+    beside.open()
+    for run in (stopped, beside):
+        (run.path / CONFIG_FILE).write_text("{}")
+        (run.path / METRICS_FILE).write_text('{"step": 1}\n')
+        (run.path / "global_step1").mkdir()  # a save that did not finish
+    (beside.path / "global_step1" / MANIFEST).write_text("{}")  # B's finished
+    (beside.path / LATEST).write_text("global_step1")
+    kept = snapshot(tmp_path / "p1" / "expB")
+    removed = stopped.abandon()
+    assert (tmp_path / "p1" / "expB").exists() and snapshot(tmp_path / "p1" / "expB") == kept
+    assert removed == stopped.path.absolute() and not removed.exists()
+    # something put into the run's directory while it ran is not the run's: it stays, the records go
+    visited = RunDirectory(tmp_path / "p2" / "run", rank=0)
+    visited.open()
+    (visited.path / CONFIG_FILE).write_text("{}")
+    (visited.path / "notes.txt").write_text("mine")
+    assert visited.abandon() is None and [p.name for p in visited.path.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("override", list(TYPOS))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint_format import file_damage, read_manifest
+from common.checkpoint_format import MANIFEST, file_damage, read_manifest
 from common.ports import free_port
-from common.run_layout import latest_tag, linked_best, tag_step
+from common.run_layout import LATEST, latest_tag, linked_best, tag_step
 from pipeline.checkpoint import saving
 from tests.helpers import ROOT, assert_same_training, launch
 
@@ -215,3 +215,40 @@ def test_a_stop_keeps_a_validated_best_and_resume_continues_from_it(tmp_path, ma
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {save_dir}/{best} at step {best.removeprefix('best_global_step')}" in resumed.stdout
     assert steps_done(save_dir) == STEPS
+
+
+def finished_run(save_dir: Path, checkpoints: int) -> None:
+    """What a run that saved `checkpoints` checkpoints leaves: its tags, `latest` and records."""
+    save_dir.mkdir()
+    for step in range(1, checkpoints + 1):
+        (save_dir / f"global_step{step}").mkdir()
+        (save_dir / f"global_step{step}" / "layer_01-model_states.pt").write_bytes(b"weights")
+        (save_dir / f"global_step{step}" / MANIFEST).write_text("{}")
+    (save_dir / LATEST).write_text(f"global_step{checkpoints}")
+    (save_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+
+
+def test_a_run_stopped_before_its_first_checkpoint_keeps_the_run_beside_it(tmp_path):
+    """Run A (train.save_dir=P/expA, P made by A) stopped before its first checkpoint (Ctrl-C in the issue;
+    SIGTERM takes the same path without launch.py's checks), after run B had saved 3 checkpoints in
+    P/expB: A printed `no checkpoint was saved yet, so P was removed again` and B's run went with P. A
+    removes only its own directory."""
+    parent = tmp_path / "p1"
+    stopped, beside = parent / "expA", parent / "expB"
+    never_saves = ["train.save_interval=100000", "train.valid_interval=0", "train.max_steps=100000"]
+    launch = command(stopped, free_port(), "pipeline.stages=1", *never_saves)
+    launch[launch.index("--num_gpus") + 1] = "1"  # the cheapest run: rank 0 alone cleans up
+
+    def beside_finished() -> bool:  # once A trains, B has saved its checkpoints beside it
+        if steps_done(stopped) < 1:
+            return False
+        finished_run(beside, checkpoints=3)
+        return True
+
+    status, output = stopped_job(launch, beside_finished, signal.SIGTERM)
+    assert status != 0 and "Traceback" not in output, output[-3000:]
+    assert beside.exists() and latest_tag(beside) == "global_step3", output[-3000:]
+    assert sorted(p.name for p in parent.iterdir()) == ["expB"]
+    lines = [line for line in output.splitlines() if line.startswith("fathom: stopped")]
+    removed = f"no checkpoint was saved yet, so {re.escape(str(stopped))} was removed again"
+    assert len(lines) == 1 and re.fullmatch(rf"fathom: stopped by SIGTERM after step \d+; {removed}", lines[0]), output

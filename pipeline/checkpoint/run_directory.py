@@ -3,8 +3,10 @@
 Two runs writing one directory would interleave their checkpoints, metrics and `latest` without an
 error, so global rank 0 holds an exclusive flock on SAVE_DIR/.fathom.lock for the whole run; the kernel
 releases it however the process ends, so a killed run leaves no stale lock. A run that ends with an
-error or a signal before its first checkpoint leaves nothing worth resuming: the directory it made is
-removed again. A run stopped by a non-finite loss keeps its directory (its logs show the divergence).
+error or a signal before its first checkpoint leaves nothing worth resuming: its records go, and so does
+each directory it made that is then empty. One holding anything else stays, with its parents: another
+run may have made its own directory beside this one's, under a parent this run made, since. A run
+stopped by a non-finite loss keeps its directory (its logs show the divergence).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from common.errors import ConfigError
-from common.run_layout import LOCK_FILE, has_checkpoints
+from common.run_layout import LOCK_FILE, has_checkpoints, reserved_name
 
 
 def _try_lock(path: Path) -> IO[str] | None:
@@ -56,7 +58,8 @@ class RunDirectory:
 
     def __init__(self, path: Path, rank: int):
         self.path, self.rank = path, rank
-        self.made: Path | None = None  # what this run made (the directory, or its top new parent), to remove
+        # The directories this run made (or found empty), deepest first: what it may remove again.
+        self.made: list[Path] = []
         self._lock: IO[str] | None = None
 
     def open(self) -> None:
@@ -65,11 +68,11 @@ class RunDirectory:
             return
         absolute = self.path.absolute()
         missing = [p for p in (absolute, *absolute.parents) if not p.exists()]
-        self.made = missing[-1] if missing else (None if any(absolute.iterdir()) else absolute)
+        self.made = missing or ([] if any(absolute.iterdir()) else [absolute])
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock = _try_lock(self.path / LOCK_FILE)
         if self._lock is None:  # another run took it between our check and now
-            self.made = None
+            self.made = []
             raise _in_use(self.path)
         self._lock.truncate(0)
         self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -81,10 +84,23 @@ class RunDirectory:
             self._lock.close()
             self._lock = None
 
-    def abandon(self) -> bool:
-        """After an error or a stop: removes the directory if this run made it and saved no checkpoint
-        into it (a `best` is one, whatever `latest` says). Returns whether it did."""
-        if self.made is None or has_checkpoints(self.path):
-            return False
-        shutil.rmtree(self.made, ignore_errors=True)
-        return True
+    def abandon(self) -> Path | None:
+        """After an error or a stop, in a directory this run made and saved no checkpoint into (a `best`
+        is one, whatever `latest` says): removes the run's records, then each directory it made, deepest
+        first, while it is empty. Returns the topmost directory removed, None if none was."""
+        if not self.made or not self.path.is_dir() or has_checkpoints(self.path):
+            return None
+        for entry in self.path.iterdir():
+            if reserved_name(entry.name):  # written by this run: the lock keeps any other run out
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        removed = None
+        for directory in self.made:
+            try:
+                directory.rmdir()  # refused for a directory that is not empty: never another's files
+            except OSError:
+                break
+            removed = directory
+        return removed

@@ -57,5 +57,6 @@ def where(save_dir: RunDirectory | None, steps_done: Callable[[], int] | None) -
         return f"after step {steps_done()}; the same command with --resume continues from {tag}"
     if has_checkpoints(save_dir.path):  # a `best` from before `latest` named best checkpoints too
         return f"after step {steps_done()}; no `latest` to resume from, the checkpoints in {save_dir.path} are kept"
-    removed = f", so {save_dir.made} was removed again" if save_dir.abandon() else ""
-    return f"after step {steps_done()}; no checkpoint was saved yet{removed}"
+    removed = save_dir.abandon()
+    gone = f", so {removed} was removed again" if removed else ""
+    return f"after step {steps_done()}; no checkpoint was saved yet{gone}"

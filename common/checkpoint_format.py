@@ -12,9 +12,10 @@ A checkpoint is one tag directory of a run (common/run_layout.py names the tags 
 - `fathom_manifest.json` (MANIFEST): written last, it commits the checkpoint (pipeline/checkpoint/
   saving.py), and records what the files cannot say: new_manifest's keys.
 
-FORMAT is the manifest's version. Every reader goes through read_manifest, which brings an older
-manifest up to FORMAT (upgrade_manifest, as fairseq's upgrade_state_dict does for its checkpoints), so
-no reader asks which fathom wrote a checkpoint:
+FORMAT is the manifest's version. Every reader goes through read_manifest, which checks the type of
+every key (parse_manifest: a damaged manifest is one line naming it) and brings an older manifest up to
+FORMAT (upgrade_manifest, as fairseq's upgrade_state_dict does for its checkpoints), so no reader asks
+which fathom wrote a checkpoint, or finds a key missing or of another type:
 
 - 1: a manifest with no `format` key; `schedule_step` and `shape` came later and may be missing.
 - 2: `format`, and every key of new_manifest; averaged checkpoints have a manifest too.
@@ -29,6 +30,7 @@ import json
 import pickle
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,21 +101,98 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
 def read_manifest(checkpoint: Path) -> dict[str, Any] | None:
     """The checkpoint's manifest in FORMAT; None for one that has none (see the module's docstring)."""
     path = checkpoint / MANIFEST
-    return upgrade_manifest(json.loads(path.read_text()), checkpoint) if path.exists() else None
+    return upgrade_manifest(parse_manifest(path), checkpoint) if path.exists() else None
+
+
+def _is_count(value: Any, least: int = 0) -> bool:
+    """A JSON integer from `least` on (not true or false, which Python takes for 1 and 0)."""
+    return type(value) is int and value >= least
+
+
+def _is_bounds(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(_is_count(bound) for bound in value))
+
+
+def _is_shape(value: Any) -> bool:
+    if value is None:  # an average: not resumable
+        return True
+    return (
+        isinstance(value, dict)
+        and _is_count(value.get("stages"), 1)
+        and _is_count(value.get("replicas"), 1)
+        and "bounds" in value
+        and _is_bounds(value["bounds"])
+    )
+
+
+def _is_file_entry(value: Any) -> bool:
+    return isinstance(value, dict) and _is_count(value.get("bytes")) and type(value.get("zip")) is bool
+
+
+# Every key a manifest may hold: whether a value is one, and what it must be. FORMAT's have them all but
+# `source` (a universal copy's); the first format always had `step` and `files`.
+MANIFEST_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (lambda value: _is_count(value, 1), "a format number (an integer from 1)"),
+    "tag": (lambda value: isinstance(value, str), "a tag"),
+    "step": (_is_count, "a step count (an integer from 0)"),
+    "schedule_step": (_is_count, "a step count (an integer from 0)"),
+    "files": (lambda value: isinstance(value, dict), '{file name: {"bytes", "zip"}}'),
+    "shape": (_is_shape, '{"stages", "replicas", "bounds"} or null'),
+    "world_size": (lambda value: value is None or _is_count(value, 1), "a process count or null"),
+    "source": (lambda value: isinstance(value, str), "a tag"),
+}
+REQUIRED_KEYS = {1: ("step", "files"), FORMAT: tuple(key for key in MANIFEST_KEYS if key != "source")}
+FILE_ENTRY = '{"bytes": an integer from 0, "zip": true or false}'
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes a manifest (as json.loads read it, of FORMAT or older) unreadable, or None."""
+    if not isinstance(manifest, dict):
+        return f"not a JSON object but {_shown(manifest)}"
+    for key, (is_valid, what) in MANIFEST_KEYS.items():
+        if key in manifest and not is_valid(manifest[key]):
+            return f"'{key}' is {_shown(manifest[key])}, not {what}"
+    if missing := [key for key in REQUIRED_KEYS.get(manifest.get("format", 1), ()) if key not in manifest]:
+        return f"no '{missing[0]}'"
+    if bad := next((name for name, entry in manifest["files"].items() if not _is_file_entry(entry)), None):
+        return f"'files' has {bad}: {_shown(manifest['files'][bad])}, not {FILE_ENTRY}"
+    return None
+
+
+def parse_manifest(path: Path) -> dict[str, Any]:
+    """The manifest at `path` as written, every key of the type the readers take it for; a damaged one
+    (cut short, edited, overwritten) or one of a newer fathom fails in one line naming it."""
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        problem = f"not text (byte {err.object[err.start]:#04x} at {err.start} is not UTF-8)"
+    except json.JSONDecodeError as err:
+        problem = f"not JSON ({'empty' if not err.doc.strip() else err})"
+    else:
+        version = manifest.get("format", 1) if isinstance(manifest, dict) else 1
+        if _is_count(version, FORMAT + 1):
+            raise ConfigError(
+                f"{path}: checkpoint format {version}, written by a newer fathom than this one (format {FORMAT}); "
+                "update fathom to read it"
+            )
+        if (problem := _manifest_problem(manifest)) is None:
+            return manifest
+    raise ConfigError(
+        f"{path}: {problem}; the manifest is damaged: restore it from a copy of the run, or use another of its "
+        "checkpoints"
+    )
 
 
 def upgrade_manifest(manifest: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
-    """`manifest`, read from `checkpoint`, in FORMAT; fails in one line for one of a newer fathom. A
-    first-format manifest without a schedule step costs a read of the checkpoint's MODEL_STATES file,
-    every time it is read: such checkpoints are only those of a fathom from before schedule steps were
-    recorded."""
-    version = manifest.get("format", 1)
-    if version > FORMAT:
-        raise ConfigError(
-            f"{checkpoint / MANIFEST}: checkpoint format {version}, written by a newer fathom than this one "
-            f"(format {FORMAT}); update fathom to read it"
-        )
-    if version == 1:
+    """`manifest`, read from `checkpoint` (parse_manifest's), in FORMAT. A first-format manifest without
+    a schedule step costs a read of the checkpoint's MODEL_STATES file, every time it is read: such
+    checkpoints are only those of a fathom from before schedule steps were recorded."""
+    if manifest.get("format", 1) == 1:
         manifest = {**manifest, "format": FORMAT}
         if "schedule_step" not in manifest:  # then every update moved the schedules, none was skipped
             states = model_states(checkpoint)
@@ -205,7 +284,7 @@ def load_file(path: str | Path, map_location: Any = "cpu", allowed: list[type] =
     path = Path(path)
     # The manifest as written: upgrading one reads DeepSpeed's counters with this function.
     committed = path.parent / MANIFEST
-    files = json.loads(committed.read_text())["files"] if verify and committed.exists() else {}
+    files = parse_manifest(committed)["files"] if verify and committed.exists() else {}
     if path.name in files and (problem := file_damage(path, files[path.name], read=True)):
         raise ConfigError(problem)
     try:

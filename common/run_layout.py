@@ -66,9 +66,37 @@ def reserved_name(name: str) -> bool:
 
 def latest_tag(save_dir: str | Path) -> str | None:
     """The tag `latest` names: the newest complete checkpoint, a global_stepN or a best_global_stepN
-    (pipeline/checkpoint/saving.py moves it on every save)."""
+    (pipeline/checkpoint/saving.py moves it on every save); None without a `latest`. One that names no
+    folder of SAVE_DIR fails in one line: not text, a path, or empty (DeepSpeed's own write of it cut
+    off, in a run from before fathom committed checkpoints)."""
     path = Path(save_dir) / LATEST
-    return path.read_text().strip() if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        tag = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise _damaged_latest(path, f"not text (byte {err.object[err.start]:#04x} is not UTF-8)") from None
+    if not tag:
+        raise _damaged_latest(path, "empty")
+    if not is_folder_name(tag):
+        raise _damaged_latest(path, f"names '{tag}', not a tag")
+    return tag
+
+
+def _damaged_latest(path: Path, problem: str) -> ConfigError:
+    if newest := _newest_committed(path.parent):
+        return ConfigError(f"{path}: {problem}; write the tag to go on from into it (the newest committed checkpoint: "
+                           f"{newest})")  # fmt: skip
+    return ConfigError(f"{path}: {problem}; the run has no committed checkpoint: remove it, or write into it the tag "
+                       "of a checkpoint to go on from")  # fmt: skip
+
+
+def _newest_committed(save_dir: Path) -> str | None:
+    """The tag of the newest checkpoint training committed (global_stepN or best_global_stepN, with a
+    manifest), found without `latest`."""
+    found = [(step, path.parent.name) for path in save_dir.glob(f"*global_step*/{MANIFEST}")
+             if (step := tag_step(path.parent.name)) is not None]  # fmt: skip
+    return max(found)[1] if found else None
 
 
 def linked_best(save_dir: str | Path) -> str | None:
@@ -111,8 +139,6 @@ def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
         tag = latest_tag(save_dir)
         if tag is None:
             raise ConfigError(f"{save_dir}: no '{LATEST}' file; pass a tag (one of the global_step* folders)")
-        if not is_folder_name(tag):
-            raise ConfigError(f"{save_dir / LATEST}: names '{tag}', not a tag; pass --tag (a global_step* folder)")
     elif not is_folder_name(tag):
         raise ConfigError(f"--tag: '{tag}' is not a tag; pass a folder name inside {save_dir}, e.g. best")
     path = save_dir / tag

@@ -1,5 +1,6 @@
 """A checkpoint of an older fathom reads as today's format, one of a newer fathom is refused in one line,
-and what an older average recorded outside any manifest is still read (common/checkpoint_format.py)."""
+and what an older average recorded outside any manifest is still read (common/checkpoint_format.py); a
+damaged manifest or `latest` is one line naming the file."""
 
 import json
 from pathlib import Path
@@ -7,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint_format import FORMAT, MANIFEST, MODEL_STATES, file_entry, read_manifest, schedule_step
+from common.checkpoint_format import FORMAT, MANIFEST, MODEL_STATES, file_entry, load_file, read_manifest, schedule_step
 from common.errors import ConfigError
+from common.run_layout import LATEST, latest_tag
 
 STAGE_FILES = ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
 OPTIMIZER_FILES = [f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(2) for s in range(2)]
@@ -62,3 +64,75 @@ def test_a_checkpoint_of_a_newer_fathom_is_refused_in_one_line(tmp_path):
 )
 def test_a_checkpoint_without_a_manifest_reads_its_counters(tmp_path, states, step):
     assert schedule_step(checkpoint_with(tmp_path, None, states)) == step
+
+
+SHAPE = {"stages": 1, "replicas": 1, "bounds": [0, 9]}
+GOOD = {"format": FORMAT, "tag": "global_step10", "step": 10, "schedule_step": 10, "world_size": 1,
+        "files": {MODEL_STATES: {"bytes": 1, "zip": True}}, "shape": SHAPE}  # fmt: skip
+
+
+def without(key: str) -> dict:
+    return {k: v for k, v in GOOD.items() if k != key}
+
+
+DAMAGED = {  # each was a traceback (JSONDecodeError, TypeError, KeyError, ...) or read as valid
+    "truncated": ('{"format": 2, "tag": "glo', "not JSON"),
+    "empty": ("", "not JSON"),
+    "not UTF-8": (b'{"format": 2, "tag": "\xff"}', "not text (byte 0xff at 22 is not UTF-8)"),
+    "a list": ([GOOD], "not a JSON object"),
+    "format a string": ({**GOOD, "format": "2"}, "'format' is \"2\", not a format number"),
+    "format null": ({**GOOD, "format": None}, "'format' is null, not a format number"),
+    "format -1": ({**GOOD, "format": -1}, "'format' is -1, not a format number"),
+    "format true": ({**GOOD, "format": True}, "'format' is true, not a format number"),
+    "no files": (without("files"), "no 'files'"),
+    "no shape": (without("shape"), "no 'shape'"),
+    "a shape without replicas": ({**GOOD, "shape": {"stages": 1, "bounds": None}}, "'shape' is {"),
+    "no schedule_step": (without("schedule_step"), "no 'schedule_step'"),
+    "no step": (without("step"), "no 'step'"),
+    "a first format without a step": ({"tag": "global_step10", "files": {}}, "no 'step'"),
+    "bytes a string": (
+        {**GOOD, "files": {MODEL_STATES: {"bytes": "21033", "zip": True}}},
+        f'\'files\' has {MODEL_STATES}: {{"bytes": "21033"',
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED, ids=list(DAMAGED))
+def test_a_damaged_manifest_is_one_line_naming_it(tmp_path, case):
+    """The manifest's one reader checks every key's type: what the readers after it (resume, translation,
+    averaging, and any file of the checkpoint loaded) take from it can be relied on."""
+    content, problem = DAMAGED[case]
+    checkpoint = checkpoint_with(tmp_path, None, {"global_steps": 10})
+    raw = content if isinstance(content, (str, bytes)) else json.dumps(content)
+    (checkpoint / MANIFEST).write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    for read in (read_manifest, schedule_step, lambda c: load_file(c / MODEL_STATES)):
+        with pytest.raises(ConfigError) as err:
+            read(checkpoint)
+        message = str(err.value)
+        assert message.startswith(f"{checkpoint / MANIFEST}: ") and problem in message, message
+        assert "restore it" in message and "\n" not in message
+
+
+def test_an_average_has_no_shape(tmp_path):
+    checkpoint = checkpoint_with(tmp_path, {**GOOD, "shape": None, "world_size": None}, {"global_steps": 10})
+    assert read_manifest(checkpoint)["shape"] is None
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [(b"\xffglobal_step2", "not text"), (b"", "empty"), (b"\n", "empty"), (b"../run/global_step2", "not a tag")],
+    ids=["not UTF-8", "empty", "a newline", "a path"],
+)
+def test_a_damaged_latest_is_one_line_naming_it(tmp_path, content, problem):
+    """`latest` not UTF-8 was a UnicodeDecodeError; empty (DeepSpeed's own write cut off), it passed the
+    checks before --resume and failed inside DeepSpeed (check_ckpt_list)."""
+    checkpoint_with(tmp_path, GOOD, {"global_steps": 10})
+    (tmp_path / LATEST).write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        latest_tag(tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / LATEST}: ") and problem in message, message
+    assert "global_step10" in message and "\n" not in message  # the checkpoint to name instead
+    (tmp_path / "global_step10" / MANIFEST).unlink()
+    with pytest.raises(ConfigError, match="the run has no committed checkpoint: remove it, or write into it"):
+        latest_tag(tmp_path)

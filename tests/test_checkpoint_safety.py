@@ -6,8 +6,11 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,12 +19,14 @@ from common.checkpoint_format import MANIFEST, deepspeed_state_types, file_damag
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
 from common.run_layout import LATEST, latest_tag, linked_best
+from convert.average import main as average_main
 from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.train import main
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
 from translation.generate import main as generate_main
+from translation.translate import main as translate_main
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
@@ -117,6 +122,94 @@ def test_resume_refuses_a_truncated_or_missing_file(capsys, monkeypatch, run, mu
     latest_file(run, "zero_pp_rank_*").unlink()
     layer.unlink()
     assert "missing; restore the file" in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+
+
+def edited_manifest(edit: Callable[[dict], Any]) -> Callable[[Path], None]:
+    """Rewrites the manifest of the checkpoint `latest` names with edit(manifest)."""
+
+    def damage(run: Path) -> None:
+        path = run / latest_tag(run) / MANIFEST
+        path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+    return damage
+
+
+def entry_bytes_as_text(manifest: dict) -> dict:
+    name, entry = next(iter(manifest["files"].items()))
+    return {**manifest, "files": {**manifest["files"], name: {**entry, "bytes": str(entry["bytes"])}}}
+
+
+# What damages the metadata of the checkpoint `latest` names (global_step2), and what the line says of it;
+# tests/test_checkpoint_format.py goes through every such case on the readers.
+DAMAGED_METADATA = {
+    "truncated manifest": (lambda run: (run / "global_step2" / MANIFEST).write_text('{"format": 2, "ta'), "not JSON"),
+    "format a string": (edited_manifest(lambda m: {**m, "format": "2"}), "'format' is \"2\""),
+    "no files": (edited_manifest(lambda m: {k: v for k, v in m.items() if k != "files"}), "no 'files'"),
+    "a list": (edited_manifest(lambda m: [m]), "not a JSON object"),
+    "bytes a string": (edited_manifest(entry_bytes_as_text), "'files' has "),
+    "latest not UTF-8": (lambda run: (run / LATEST).write_bytes(b"global_step\xff2"), "not text"),
+}
+
+
+LATEST_FIX = "write the tag to go on from into it (the newest committed checkpoint: global_step2)"
+
+
+def refused(capsys, main_function: Callable[[list[str]], None], argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main_function(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("fathom: error: "), err
+    return err
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_metadata_is_one_line_in_resume_translate_and_average(
+    capsys, monkeypatch, run, multi30k_slice, tmp_path
+):
+    """Each was a traceback (JSONDecodeError, TypeError, KeyError, UnicodeDecodeError), in --resume,
+    translate.py and average_checkpoints.py alike; `latest` naming an average failed in --resume with
+    `'NoneType' object is not subscriptable`, and an empty `latest` passed the checks before launch and
+    failed inside DeepSpeed (check_ckpt_list). Now one line names the damaged file and what to do."""
+    source = tmp_path / "source.de"
+    source.write_text("Ein Hund.\n")
+    translate = ["--checkpoint", str(run), "--data", str(multi30k_slice), "--input", str(source)]
+    average = ["--checkpoint", str(run), "--last", "2"]
+    whole = {path: path.read_bytes() for path in (run / LATEST, run / "global_step2" / MANIFEST)}
+    for case, (damage, problem) in DAMAGED_METADATA.items():
+        damage(run)
+        blamed = f"{run / LATEST}: " if "latest" in case else f"{run / 'global_step2' / MANIFEST}: "
+        fix = LATEST_FIX if "latest" in case else "the manifest is damaged: restore it"
+        for err in (
+            resume_fails(capsys, monkeypatch, run, multi30k_slice),
+            refused(capsys, translate_main, translate),
+            refused(capsys, average_main, average),
+        ):
+            assert err.startswith(f"fathom: error: {blamed}") and problem in err and fix in err, f"{case}: {err}"
+        for path, content in whole.items():
+            path.write_bytes(content)
+    average_main([*average, "--out-tag", "avg_last2"])
+    (run / LATEST).write_text("avg_last2")
+    assert (
+        f"--resume: {run / 'avg_last2'} records no pipeline shape, as an average of checkpoints does: it holds "
+        "weights only, no optimizer or data state to go on from; start a new run from its weights with "
+        f"train.init_from={run}"
+    ) in resume_fails(capsys, monkeypatch, run, multi30k_slice)
+    # the commands themselves: train.py --resume through launch.py's checks, which an empty `latest` passed
+    (run / LATEST).write_text("")
+    resume = ["--num_gpus", "2", str(ROOT / "scripts" / "train.py"), *train_args(run, multi30k_slice), "--resume"]
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), *resume], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and result.stderr == f"fathom: error: {run / LATEST}: empty; {LATEST_FIX}\n", (
+        result.stdout[-3000:] + result.stderr[-3000:]
+    )
+    (run / LATEST).write_text("global_step2")
+    DAMAGED_METADATA["truncated manifest"][0](run)
+    for script, argv in (("translate.py", translate), ("average_checkpoints.py", average)):
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert result.returncode == 2 and result.stdout == "", result.stderr
+        assert result.stderr.startswith(f"fathom: error: {run / 'global_step2' / MANIFEST}: not JSON"), result.stderr
+        assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 ONE_STAGE = ["pipeline.stages=1", "gradient_accumulation_steps=2"]  # the run's batches as 1 stage x 2 replicas

@@ -276,6 +276,12 @@ def check_shape(
                 f"{was}, {restart}"
             )
         return
+    if manifest["shape"] is None:
+        raise ConfigError(
+            f"--resume: {checkpoint} records no pipeline shape, as an average of checkpoints does: it holds weights "
+            "only, no optimizer or data state to go on from; start a new run from its weights with "
+            f"train.init_from={save_dir}, or write the tag of a training checkpoint into {save_dir / LATEST}"
+        )
     saved = saved_shape(manifest)
     if (saved.stages, saved.replicas) == (cfg.stages, replicas):
         return

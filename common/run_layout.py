@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from common.checkpoint_format import MANIFEST
+from common.checkpoint_format import MANIFEST, is_checkpoint
 from common.errors import ConfigError
 
 # What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
@@ -138,13 +138,24 @@ def checkpoint_dir(save_dir: str | Path, tag: str | None = None) -> Path:
     if tag is None:
         tag = latest_tag(save_dir)
         if tag is None:
-            raise ConfigError(f"{save_dir}: no '{LATEST}' file; pass a tag (one of the global_step* folders)")
+            raise ConfigError(_no_latest(save_dir))
     elif not is_folder_name(tag):
         raise ConfigError(f"--tag: '{tag}' is not a tag; pass a folder name inside {save_dir}, e.g. best")
     path = save_dir / tag
     if not path.is_dir():
         raise ConfigError(f"{save_dir}: no checkpoint tagged '{tag}'")
     return path
+
+
+def _no_latest(save_dir: Path) -> str:
+    """Why a run without `latest` has no checkpoint to read by default, and what to pass instead."""
+    tags = sorted(path.name for path in save_dir.iterdir() if path.is_dir() and is_checkpoint(path))
+    if not tags:
+        return (
+            f"{save_dir}: no '{LATEST}' file and no checkpoint: the run has not saved one yet (it saves every "
+            "train.save_interval steps and at its end); train it that far, or pass a run that has"
+        )
+    return f"{save_dir}: no '{LATEST}' file; pass a tag, one of: {', '.join(tags)}"
 
 
 def is_run(folder: Path) -> bool:

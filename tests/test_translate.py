@@ -3,6 +3,7 @@ prepared split, long lines cut with a warning, and every bad input one line with
 
 import io
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -237,6 +238,16 @@ def test_a_damaged_run_directory_is_one_line(capsys, multi30k_slice, tmp_path):
         err = capsys.readouterr().err.strip()
         assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
         (run / name).write_text(before)
+
+
+def test_a_run_that_never_saved_says_so(capsys, monkeypatch, multi30k_slice, tmp_path):
+    """It asked for `one of the global_step* folders` of a run that had none."""
+    run = untrained_run(multi30k_slice, tmp_path / "run")
+    shutil.rmtree(run / "global_step1")
+    (run / "latest").unlink()
+    err = refused(capsys, monkeypatch, run, multi30k_slice, b"Ein Hund.\n")
+    assert f"{run}: no 'latest' file and no checkpoint: the run has not saved one yet" in err
+    assert "train.save_interval" in err
 
 
 def test_outputs_through_links_pipes_and_a_full_disk(capsys, monkeypatch, run, multi30k_slice, tmp_path):

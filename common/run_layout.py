@@ -30,11 +30,13 @@ MEMORY_FILE = "memory.json"  # each stage's peak memory
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # the hang watchdog's (pipeline/safety/watchdog.py)
 LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/checkpoint/run_directory.py)
 PROFILE_FILE = "admin_profile.json"  # Admin's omegas, profiled at the run's start (pipeline/admin_profile.py)
+# DeepSpeed copies its recovery scripts into SAVE_DIR with each checkpoint of a ZeRO or bf16 run.
+DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # Names tools write into a run by default: generate.py's hypotheses, plot_metrics.py's image.
 TOOL_OUTPUTS = ("generate-*.txt", "loss.png")
 RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, METRICS_FILE, GRAD_NORMS_FILE,
                TRANSLATIONS, TIME_BREAKDOWN_FILE, MEMORY_FILE, HEARTBEAT_FILE.format(rank="*"), LOCK_FILE,
-               PROFILE_FILE, *TOOL_OUTPUTS)  # fmt: skip
+               PROFILE_FILE, *DEEPSPEED_SCRIPTS, *TOOL_OUTPUTS)  # fmt: skip
 
 STEP_TAG = re.compile(r"global_step(\d+)")  # DeepSpeed's default tag, which training keeps
 TRAINING_TAG = re.compile(rf"(?:{BEST}_)?{STEP_TAG.pattern}")  # what training names its checkpoints

@@ -290,6 +290,7 @@ def test_a_failed_run_removes_only_what_holds_nothing_but_its_own_files(tmp_path
         (run.path / CONFIG_FILE).write_text("{}")
         (run.path / METRICS_FILE).write_text('{"step": 1}\n')
         (run.path / "global_step1").mkdir()  # a save that did not finish
+        (run.path / "zero_to_fp32.py").write_text("")  # DeepSpeed copies it in as it saves
     (beside.path / "global_step1" / MANIFEST).write_text("{}")  # B's finished
     (beside.path / LATEST).write_text("global_step1")
     kept = snapshot(tmp_path / "p1" / "expB")

@@ -1,4 +1,5 @@
-"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus 2`: one SGD step per case.
+"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus S` (one replica of S stages): one SGD step
+per case.
 
 For each case it saves the pipeline's weights before and after one optimizer step, and the
 engine's loss, so the test can replay the step in the single-process model; then it translates the
@@ -73,7 +74,9 @@ def main():
     for case in args[2:]:
         name, _, overrides = case.partition("=")
         save_dir = out / name
-        cfg, corpus = resolve_run(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
+        cfg, corpus = resolve_run(
+            config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=dist.get_world_size()
+        )
         with counting_layer_builds() as built:
             engine = build_engine(cfg)
         if dist.get_rank() == 0:

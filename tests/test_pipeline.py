@@ -1,5 +1,6 @@
 """The DeepSpeed pipeline (real launcher, 2 to 4 CPU ranks) against the single-process reference."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -14,6 +15,7 @@ from corpus.batches import MicroBatches, eval_batches, with_eos
 from model import SCHEMES
 from model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import PAD
 from model.norms import ScheduleHook
 from model.search import SearchConfig, beam_search
 from model.trained import load_reference, model_config
@@ -265,6 +267,21 @@ def test_every_layout_of_3_and_4_stages_trains_as_one_process(stage_matrix, stag
     batches = assert_step_equals_single_process(config, out, case, overrides, world_size=stages)
     assert len({(src.shape, prev.shape) for (src, prev), _ in batches}) > 1
     assert_search_equals_single_process(config, out, case, overrides, world_size=stages)
+
+
+def test_tokens_count_each_micro_batch_once_at_3_stages(stage_matrix):
+    """metrics.jsonl's `tokens` (and so `tokens_per_s`) is the target tokens the step's micro-batches hold,
+    counted from the data, on every rank; the middle stage loads no micro-batch."""
+    stages = 3
+    config, out = stage_matrix(stages)
+    case = next(iter(STAGE_MATRIX[stages]))
+    cfg = load_config(config, STAGE_MATRIX[stages][case][0].split(","), world_size=stages)
+    data = MicroBatches(build_corpus(cfg), cfg.batch_size, cfg.train.seed)
+    expected = sum(
+        int(target.ne(PAD).sum()) for _, target in itertools.islice(data, MATRIX_CONFIG["gradient_accumulation_steps"])
+    )
+    counted = [json.loads((out / case / f"rank{rank}.json").read_text())["tokens"] for rank in range(stages)]
+    assert counted == [expected] * stages
 
 
 def metrics(save_dir):

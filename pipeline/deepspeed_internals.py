@@ -194,6 +194,29 @@ def tensor_backwards_joined() -> Iterator[None]:
         torch.Tensor.backward = tensor_backward
 
 
+def typed_receive_buffers(engine: deepspeed.PipelineEngine) -> None:
+    """Gives the engine's receive buffers one per (position in the message, dtype). DeepSpeed keeps one
+    list of them by position alone, for the activations a stage receives and the gradients it gets back
+    alike, and reuses a buffer whenever it has elements enough, whatever its dtype. Only a middle stage
+    receives both, and they differ where its stage crosses from the encoder to the decoder: it receives
+    (x, src_tokens, prev_output_tokens) and gets back the gradients of (y, encoder_out), so after a
+    backward the token ids of the next micro-batch arrive in encoder_out's float gradient buffer. gloo
+    aborts on the byte count ("Received data size doesn't match expected size. 96 vs 48"), or, sent fewer
+    bytes than the buffer holds, takes them as the buffer's type. Sharing a buffer between the two kinds is
+    safe: received activations are copied out at once, and a received gradient is used up by the
+    BackwardPass that follows its RecvGrad in the same step of DeepSpeed's schedule."""
+    buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+
+    def allocate_or_extend(position: int, shape: list[int], dtype: torch.dtype) -> Tensor:
+        size = math.prod(shape)
+        buffer = buffers.get((position, dtype))
+        if buffer is None or buffer.numel() < size:
+            buffer = buffers[position, dtype] = torch.zeros(size, dtype=dtype, device=engine.device)
+        return buffer[:size].view(shape)
+
+    engine._allocate_or_extend_buffers = allocate_or_extend
+
+
 def clear_pipe_buffers(engine: deepspeed.PipelineEngine) -> None:
     """Drops the last step's activations and outputs, whose autograd graph holds the engine's hooks."""
     for buffer in engine.pipe_buffers.values():

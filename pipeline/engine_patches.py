@@ -4,9 +4,9 @@ The engine is patched from outside, never subclassed (every DeepSpeed internal i
 pipeline/deepspeed_internals.py). Several patches wrap the same things, the engine's instructions and
 each layer's call, and the one applied last runs outermost, so the order is part of what a run does:
 
-1. `patch_engine`, as soon as the engine is built, before anything loads: the joined backward, ZeRO's
-   one-pass gradient scans, no all-reduce on one replica, and the crash-safe checkpoint engine, which the
-   resume's load already reads through.
+1. `patch_engine`, as soon as the engine is built, before anything loads: the joined backward, receive
+   buffers that keep their dtype, ZeRO's one-pass gradient scans, no all-reduce on one replica, and the
+   crash-safe checkpoint engine, which the resume's load already reads through.
 2. `patch_training`, once the start point is loaded (and Admin profiled, in eval mode, without them):
    the dropout masks, which reseed each layer's call and replace the checkpoint function; the stability
    guard, whose hooks see the masked layers' outputs and whose check runs before ZeRO's in the model
@@ -29,7 +29,12 @@ import deepspeed
 from corpus.batches import DataPosition
 from model.model_config import ModelConfig
 from pipeline.checkpoint import saving
-from pipeline.deepspeed_internals import backward_in_one_call, set_gradient_scans, set_self_reduction
+from pipeline.deepspeed_internals import (
+    backward_in_one_call,
+    set_gradient_scans,
+    set_self_reduction,
+    typed_receive_buffers,
+)
 from pipeline.dropout_masks import DropoutMasks
 from pipeline.safety.divergence import StabilityGuard
 from pipeline.safety.time_breakdown import TimeBreakdown
@@ -39,6 +44,7 @@ def patch_engine(engine: deepspeed.PipelineEngine) -> None:
     """What a built engine gets before it loads or runs anything (docs/TRAINING.md, "Settings fathom picks
     for the engine")."""
     backward_in_one_call(engine)
+    typed_receive_buffers(engine)
     set_gradient_scans(engine, fused=True)
     set_self_reduction(engine, skipped=True)
     saving.install(engine)

@@ -146,17 +146,18 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def train_step(engine: deepspeed.DeepSpeedEngine, data: MicroBatches, stages: int) -> dict[str, Any]:
+def train_step(engine: deepspeed.PipelineEngine, data: MicroBatches) -> dict[str, Any]:
     """One optimizer step over `accumulation` micro-batches; returns its metrics."""
     tokens_before = data.target_tokens
     lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step applies
     tick = time.perf_counter()
     loss = engine.train_batch(data_iter=data)
     elapsed = time.perf_counter() - tick
-    # Every stage of a data-parallel replica reads the same micro-batches: count each once.
-    tokens = torch.tensor(float(data.target_tokens - tokens_before), device=engine.device)  # nccl: GPU tensors only
+    # Only a replica's first and last stage load its micro-batches (one stage: once): count its first's.
+    read = data.target_tokens - tokens_before if engine.is_first_stage() else 0
+    tokens = torch.tensor(float(read), device=engine.device)  # nccl: GPU tensors only
     dist.all_reduce(tokens)
-    tokens = tokens.item() / stages
+    tokens = tokens.item()
     return {
         "step": engine.global_steps,
         "loss": loss.item(),
@@ -293,7 +294,7 @@ def run(
             hook(t)
         masks.start(step)
         with breakdown.step() if breakdown else contextlib.nullcontext():
-            record = {**train_step(engine, data, cfg.stages), **scheme.step_metrics(t), **guard.step_record()}
+            record = {**train_step(engine, data), **scheme.step_metrics(t), **guard.step_record()}
         metrics.write(record)
         done = record["step"]
         if guard.found is not None:

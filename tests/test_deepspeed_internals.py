@@ -31,6 +31,7 @@ from pipeline.deepspeed_internals import (
     stage_layers,
     stage_range,
     tensor_backwards_joined,
+    typed_receive_buffers,
     universal_loading,
     wrap_instructions,
     zero_gradient_slice,
@@ -230,6 +231,21 @@ def test_backward_calls_that_retain_the_graph_run_as_one():
         e.backward(gradients[1])
     assert len(runs) == 1
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_receive_buffers_keep_their_dtype():
+    """A middle stage's receives, as DeepSpeed's engine asks typed_receive_buffers for them: token ids, then
+    encoder_out's float gradient in the same position of its message, then shorter token ids. Each buffer
+    has the dtype and shape asked for, and one of a position and dtype is reused while it is large enough."""
+    engine = types.SimpleNamespace(device=torch.device("cpu"))
+    typed_receive_buffers(engine)
+    receive = engine._allocate_or_extend_buffers
+    ids = receive(1, [3, 5], torch.long)
+    gradient = receive(1, [3, 5, 16], torch.float32)
+    shorter = receive(1, [3, 4], torch.long)
+    assert (gradient.dtype, gradient.shape) == (torch.float32, (3, 5, 16))
+    assert (shorter.dtype, shorter.shape) == (torch.long, (3, 4)) and shorter.data_ptr() == ids.data_ptr()
+    assert receive(1, [3, 6], torch.long).shape == (3, 6) and receive(0, [], torch.float32).shape == ()
 
 
 @pytest.mark.slow  # builds and trains DeepSpeed's engine

@@ -1,5 +1,6 @@
-"""The DeepSpeed pipeline (real launcher, 2 CPU ranks) against the single-process reference."""
+"""The DeepSpeed pipeline (real launcher, 2 to 4 CPU ranks) against the single-process reference."""
 
+import itertools
 import json
 import math
 import subprocess
@@ -14,6 +15,7 @@ from corpus.batches import MicroBatches, eval_batches, with_eos
 from model import SCHEMES
 from model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from model.loss import label_smoothed_cross_entropy
+from model.model_config import PAD
 from model.norms import ScheduleHook
 from model.search import SearchConfig, beam_search
 from model.trained import load_reference, model_config
@@ -75,19 +77,19 @@ def parity_runs(tmp_path_factory, multi30k_slice):
     return config, out, cases
 
 
-@pytest.mark.parametrize("case", [*CASES, REAL_DATA_CASE])
-def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
-    config, out, cases = parity_runs
-    cfg = load_config(config, [f"train.save_dir={out / case}", *cases[case].split(",")], world_size=2)
+def assert_step_equals_single_process(config, out, case, overrides, world_size):
+    """The pipeline's one SGD step of `case` (tests/workers/parity.py), replayed in the single-process model
+    from the same weights: the same loss and gradients. Returns the micro-batches of the step."""
+    cfg = load_config(config, [f"train.save_dir={out / case}", *overrides.split(",")], world_size=world_size)
     model = load_reference(out / case, "before").train()
     after = load_reference(out / case, "after")
     ScheduleHook(model)(2)
 
     data = MicroBatches(build_corpus(cfg), cfg.batch_size, cfg.train.seed)
-    accumulation = PARITY_CONFIG["gradient_accumulation_steps"]
+    accumulation = cfg.deepspeed["gradient_accumulation_steps"]
+    batches = [next(data) for _ in range(accumulation)]
     losses = []
-    for _ in range(accumulation):
-        (src, prev), target = next(data)
+    for (src, prev), target in batches:
         loss = label_smoothed_cross_entropy(model(src, prev), target, cfg.train.label_smoothing)
         (loss / accumulation).backward()
         losses.append(loss.item())
@@ -104,6 +106,25 @@ def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
         )
         checked += 1
     assert checked == len(list(model.parameters())) and checked > 0
+    return batches
+
+
+def assert_search_equals_single_process(config, out, case, overrides, world_size):
+    """Beam search through the live stages (the worker's decoded.json) equals the single-process search on
+    the weights after the step: hypotheses and scores."""
+    decoded = json.loads((out / case / "decoded.json").read_text())
+    cfg = load_config(config, overrides.split(","), world_size=world_size)
+    valid = build_corpus(cfg, "valid")
+    src = with_eos([valid.pair(i)[0] for i in range(len(decoded))])
+    found = beam_search(load_reference(out / case, "after"), src, SearchConfig(**SEARCH))
+    assert [h.tokens for h in found] == [d["tokens"] for d in decoded]
+    assert [h.score for h in found] == pytest.approx([d["score"] for d in decoded], abs=1e-5)
+
+
+@pytest.mark.parametrize("case", [*CASES, REAL_DATA_CASE])
+def test_pipeline_loss_and_gradients_equal_single_process(parity_runs, case):
+    config, out, cases = parity_runs
+    assert_step_equals_single_process(config, out, case, cases[case], world_size=2)
 
 
 @pytest.mark.parametrize("case", [*CASES, REAL_DATA_CASE])
@@ -112,13 +133,7 @@ def test_search_through_two_stages_equals_single_process(parity_runs, case):
     stage to stage, candidates broadcast from the last) gives the single-process search's hypotheses and
     scores, for every scheme and every embedding-sharing mode."""
     config, out, cases = parity_runs
-    decoded = json.loads((out / case / "decoded.json").read_text())
-    cfg = load_config(config, cases[case].split(","), world_size=2)
-    valid = build_corpus(cfg, "valid")
-    src = with_eos([valid.pair(i)[0] for i in range(len(decoded))])
-    found = beam_search(load_reference(out / case, "after"), src, SearchConfig(**SEARCH))
-    assert [h.tokens for h in found] == [d["tokens"] for d in decoded]
-    assert [h.score for h in found] == pytest.approx([d["score"] for d in decoded], abs=1e-5)
+    assert_search_equals_single_process(config, out, case, cases[case], world_size=2)
 
 
 def test_admin_omegas_from_two_stages_equal_single_process(parity_runs):
@@ -165,6 +180,108 @@ def test_each_layer_runs_backward_once_per_micro_batch(parity_runs):
         assert ranks[0]["layer_kinds"] == ["DecoderLayerPipe", "EncoderLayerPipe"], ranks[0]  # the mixed stage
         for rank in ranks:
             assert rank["gradient_accumulations"] == [micro_batches], (case, rank)
+
+
+# 3 and 4 stages: each case a layout whose stage boundaries (" | ") fall where a stage count past 2 puts
+# them, chosen with pipeline.partition: inside the encoder, at the encoder/decoder boundary, inside the
+# decoder, and around the tied embeddings (a table shared by 3 stages, or by stages 0, 1 and 3; a stage that
+# starts or ends with the decoder's tied embedding; the tied output projection alone on the last stage).
+# A middle stage that receives (x, src_tokens, prev_output_tokens) and sends (y, encoder_out, src_tokens)
+# gets back a float gradient where it received token ids. 4 micro-batches of differing lengths make every
+# middle stage receive activations after gradients within the step.
+MATRIX_CONFIG = {**PARITY_CONFIG, "train_batch_size": 12, "gradient_accumulation_steps": 4}
+LAYERS_2_2 = "model.encoder_layers=2,model.decoder_layers=2"
+STAGE_MATRIX = {
+    3: {
+        # the issue's layout (stages cut by cost): a middle stage from inside the encoder to the decoder embedding
+        "pre_ln_cost": (
+            "model.norm_scheme=pre_ln,model.share_all_embeddings=false,model.encoder_layers=2,model.decoder_layers=1",
+            "encoder.embed_tokens encoder.layers.0 | encoder.layers.1 encoder.layer_norm decoder.embed_tokens | "
+            "decoder.layers.0 decoder.layer_norm decoder.output_projection",
+        ),
+        "deepnorm_tied_uniform": (
+            f"model.norm_scheme=deepnorm,{LAYERS_2_2},pipeline.partition=uniform",
+            "encoder.embed_tokens encoder.layers.0 encoder.layers.1 | decoder.embed_tokens decoder.layers.0 | "
+            "decoder.layers.1 decoder.output_projection",
+        ),
+        "post_ln_output_alone": (
+            f"model.norm_scheme=post_ln,model.share_all_embeddings=false,model.share_decoder_input_output_embed=true,"
+            f"{LAYERS_2_2},pipeline.partition=type:EncoderLayer",
+            "encoder.embed_tokens encoder.layers.0 | encoder.layers.1 decoder.embed_tokens decoder.layers.0 "
+            "decoder.layers.1 | decoder.output_projection",
+        ),
+    },
+    4: {
+        "sub_ln_cost": (
+            f"model.norm_scheme=sub_ln,model.share_all_embeddings=false,{LAYERS_2_2}",
+            "encoder.embed_tokens encoder.layers.0 | encoder.layers.1 encoder.layer_norm decoder.embed_tokens | "
+            "decoder.layers.0 | decoder.layers.1 decoder.layer_norm decoder.output_projection",
+        ),
+        "pre_ln_tied_uniform": (
+            f"model.norm_scheme=pre_ln,{LAYERS_2_2},pipeline.partition=uniform",
+            "encoder.embed_tokens encoder.layers.0 encoder.layers.1 | encoder.layer_norm decoder.embed_tokens | "
+            "decoder.layers.0 decoder.layers.1 | decoder.layer_norm decoder.output_projection",
+        ),
+        "branchnorm_tied_by_embeddings": (
+            f"model.norm_scheme=branchnorm,{LAYERS_2_2},pipeline.partition=type:Embedding",
+            "encoder.embed_tokens encoder.layers.0 encoder.layers.1 | decoder.embed_tokens decoder.layers.0 | "
+            "decoder.layers.1 | decoder.output_projection",
+        ),
+    },
+}
+MATRIX_RUNS = [(stages, case) for stages, cases in STAGE_MATRIX.items() for case in cases]
+
+
+@pytest.fixture(scope="module")
+def stage_matrix(tmp_path_factory):
+    """Launches every case of STAGE_MATRIX[stages] in one run, the first time a test asks for that stage count;
+    returns its config and output directory."""
+    launched = {}
+
+    def run(stages):
+        if stages not in launched:
+            out = tmp_path_factory.mktemp(f"stages{stages}")
+            config = out / "matrix.json"
+            pipeline = {**MATRIX_CONFIG["pipeline"], "stages": stages}
+            config.write_text(json.dumps({**MATRIX_CONFIG, "pipeline": pipeline}))
+            args = [f"{name}={overrides}" for name, (overrides, _) in STAGE_MATRIX[stages].items()]
+            worker = ROOT / "tests" / "workers" / "parity.py"
+            launched[stages] = config, out, launch(worker, str(config), str(out), *args, processes=stages)
+        config, out, result = launched[stages]
+        assert result.returncode == 0, "the parity worker failed (its output is above)"
+        return config, out
+
+    return run
+
+
+@pytest.mark.parametrize(("stages", "case"), MATRIX_RUNS)
+def test_every_layout_of_3_and_4_stages_trains_as_one_process(stage_matrix, stages, case):
+    """Each layout of STAGE_MATRIX holds the layers it names per stage, and its step over micro-batches of
+    differing shapes gives the single-process model's loss and gradients; beam search through its stages
+    gives the single-process search's hypotheses and scores."""
+    config, out = stage_matrix(stages)
+    overrides, layout = STAGE_MATRIX[stages][case]
+    names = [part.name for part in pipe_parts(model_config(out / case))]
+    held = [json.loads((out / case / f"rank{rank}.json").read_text()) for rank in range(stages)]
+    assert " | ".join(" ".join(names[rank["start"] : rank["stop"]]) for rank in held) == layout
+    batches = assert_step_equals_single_process(config, out, case, overrides, world_size=stages)
+    assert len({(src.shape, prev.shape) for (src, prev), _ in batches}) > 1
+    assert_search_equals_single_process(config, out, case, overrides, world_size=stages)
+
+
+def test_tokens_count_each_micro_batch_once_at_3_stages(stage_matrix):
+    """metrics.jsonl's `tokens` (and so `tokens_per_s`) is the target tokens the step's micro-batches hold,
+    counted from the data, on every rank; the middle stage loads no micro-batch."""
+    stages = 3
+    config, out = stage_matrix(stages)
+    case = next(iter(STAGE_MATRIX[stages]))
+    cfg = load_config(config, STAGE_MATRIX[stages][case][0].split(","), world_size=stages)
+    data = MicroBatches(build_corpus(cfg), cfg.batch_size, cfg.train.seed)
+    expected = sum(
+        int(target.ne(PAD).sum()) for _, target in itertools.islice(data, MATRIX_CONFIG["gradient_accumulation_steps"])
+    )
+    counted = [json.loads((out / case / f"rank{rank}.json").read_text())["tokens"] for rank in range(stages)]
+    assert counted == [expected] * stages
 
 
 def metrics(save_dir):

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             masks.generator.manual_seed(step)
             synchronize()
             tick = time.perf_counter()
-            train_step(engine, data, cfg.stages)
+            train_step(engine, data)
             synchronize()
             seconds.append(time.perf_counter() - tick)
             step += 1

@@ -1,7 +1,9 @@
-"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus 2`: one SGD step per case.
+"""Launched by tests/test_pipeline.py under `deepspeed --num_gpus S` (one replica of S stages): one SGD step
+per case.
 
-For each case it saves the pipeline's weights before and after one optimizer step, and the
-engine's loss, so the test can replay the step in the single-process model; then it translates the
+For each case it saves the pipeline's weights before and after one optimizer step (through the training
+loop's train_step), and the engine's loss and counted tokens, so the test can replay the step in the
+single-process model; then it translates the
 first validation sentences through the stages (pipeline/decode.py), for the test to compare with the
 single-process search on the "after" weights.
 Usage: parity.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
@@ -25,7 +27,7 @@ from pipeline.decode import translate
 from pipeline.deepspeed_internals import stage_range
 from pipeline.launched import init_distributed, run_launched
 from pipeline.stage_modules import DecoderLayerPipe, EncoderLayerPipe
-from pipeline.train import build_engine, profile_batch
+from pipeline.train import build_engine, profile_batch, train_step
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 DECODED = 12  # validation sentences translated through the stages, in batches of 5
@@ -73,7 +75,9 @@ def main():
     for case in args[2:]:
         name, _, overrides = case.partition("=")
         save_dir = out / name
-        cfg, corpus = resolve_run(config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=2)
+        cfg, corpus = resolve_run(
+            config_path, [f"train.save_dir={save_dir}", *overrides.split(",")], world_size=dist.get_world_size()
+        )
         with counting_layer_builds() as built:
             engine = build_engine(cfg)
         if dist.get_rank() == 0:
@@ -87,7 +91,7 @@ def main():
         data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed)
         mine = [m for m in engine.module.modules() if isinstance(m, EncoderLayerPipe | DecoderLayerPipe)]
         with counting_gradient_accumulations(mine) as accumulated:
-            loss = engine.train_batch(data_iter=data)
+            record = train_step(engine, data)
         engine.save_checkpoint(str(save_dir), tag="after")
         held = stage_range(engine.module)
         layers = {
@@ -97,7 +101,8 @@ def main():
             "layer_kinds": sorted({type(layer).__name__ for layer in mine}),
             "gradient_accumulations": sorted(set(accumulated.values())),
         }
-        (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({"loss": loss.item(), **layers}))
+        step = {"loss": record["loss"], "tokens": record["tokens"]}
+        (save_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps({**step, **layers}))
         ScheduleHook(engine.module)(engine.global_steps)  # as load_reference sets the "after" weights
         valid = build_corpus(cfg, "valid")
         sources = [valid.pair(i)[0] for i in range(DECODED)]

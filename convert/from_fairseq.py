@@ -23,10 +23,9 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import save_file, staged
 from common.outputs import check_output_dir
 from common.run_layout import CONFIG_FILE, LATEST
-from convert.to_fairseq import fairseq_key
 from model.model_config import ModelConfig
 from model.norms import model_section
-from model.parts import model_parts
+from model.parts import fairseq_key, model_parts
 
 TAG = "fairseq"
 SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace

@@ -40,7 +40,7 @@ from corpus.dataset import BinarizedCorpus, check_vocab
 from model.fold import folded
 from model.model_config import PAD, ModelConfig
 from model.norms import SCHEMES, ScheduleHook, build_scheme
-from model.parts import build_parts
+from model.parts import build_parts, fairseq_key
 from model.trained import missing_layer_files, model_config
 from pipeline.stage_modules import PipePart, pipe_parts
 
@@ -89,13 +89,6 @@ def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
         layernorm_embedding=False,
         no_token_positional_embeddings=False,
     )
-
-
-def fairseq_key(module: str, key: str) -> str:
-    """Our parameter name -> fairseq's (the only difference: learned positions live beside the tokens)."""
-    if key == "positions.weight":
-        return f"{module.split('.')[0]}.embed_positions.weight"
-    return f"{module}.{key}"
 
 
 def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:

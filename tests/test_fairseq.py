@@ -3,6 +3,7 @@ environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -246,6 +247,43 @@ def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_
     trained, start = load_reference(run).state_dict(), load_reference(imported).state_dict()
     for key, value in start.items():
         assert torch.equal(trained[key], value), key
+
+
+def fairseq_weights(export: Path) -> dict[str, torch.Tensor]:
+    """An export's state dict without fairseq's bookkeeping (versions, the sinusoids' placeholders)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(export / "checkpoint.pt", weights_only=True)["model"]
+    return {key: value for key, value in state.items() if not key.endswith(("version", "_float_tensor"))}
+
+
+@pytest.mark.slow
+def test_deepspeeds_recovery_scripts_in_a_save_dir_write_the_consolidated_weights(runs, exported, tmp_path):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py into every save_dir; on a pipeline checkpoint
+    they failed ('NoneType' object has no attribute 'items': its mp_rank_00_model_states.pt holds module=None,
+    the weights are in the layer files). The copies in a real save_dir now write what they promise,
+    OUTPUT_DIR/pytorch_model.bin: one state dict of the whole model under fairseq's names, here the very
+    tensors of the fairseq export (a Post-LN model folds nothing), in fp32 or the --dtype asked for."""
+    run = runs / "post_ln"
+
+    def script(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["python", name, ".", *args], cwd=run, capture_output=True, text=True, timeout=600)
+
+    result = script("zero_to_fp32.py", str(tmp_path / "fp32"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    weights = fairseq_weights(exported["post_ln"])
+    assert state.keys() == weights.keys()
+    assert all(value.dtype == torch.float32 and torch.equal(value, weights[key]) for key, value in state.items())
+
+    result = script("zero_to_torch.py", str(tmp_path / "bf16"), "--dtype", "bf16", "--tag", "global_step100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    halved = torch.load(tmp_path / "bf16" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(value, weights[key].bfloat16()) for key, value in halved.items())
+    for refused in (["--safe_serialization"], ["--max_shard_size", "1GB"]):
+        result = script("zero_to_fp32.py", str(tmp_path / "refused"), *refused)
+        assert result.returncode == 2 and result.stderr.startswith("fathom: error: "), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and refused[0] in result.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 def failure(capsys, main, *argv: str) -> str:

@@ -29,10 +29,12 @@ STEPS = (
     "scheduler.params.warmup_max_lr=0.003,scheduler.params.warmup_num_steps=10,"
     "train_micro_batch_size_per_gpu=16,gradient_accumulation_steps=2"
 )
-# The three ways of sharing embeddings, over the exportable schemes in turn; BranchNorm stops at alpha_t = 0.5.
+# The three ways of sharing embeddings, over the exportable schemes in turn; BranchNorm stops at alpha_t = 0.5;
+# post_ln's export carries a label smoothing other than the default into fairseq-validate's criterion.
 SHARING = ["model.share_decoder_input_output_embed=true", "model.share_all_embeddings=true",
            "model.share_all_embeddings=false"]  # fmt: skip
-OPTIONS = {"branchnorm": "model.branchnorm.T=200"}
+LABEL_SMOOTHING = 0.2
+OPTIONS = {"branchnorm": "model.branchnorm.T=200", "post_ln": f"train.label_smoothing={LABEL_SMOOTHING}"}
 CASES = {
     **{
         name: ",".join(filter(None, [f"model.norm_scheme={name}", SHARING[i % 3], OPTIONS.get(name), SMALL, STEPS]))
@@ -181,6 +183,71 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
         assert [theirs[i] for i in range(len(ours))] == ours, case
         distinct.update(ours)
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
+
+
+def raw_sentences(data: Path, out: Path, lines: int = 8) -> Path:
+    """The first raw source sentences of the data's test split, one a line."""
+    text = (data / "test.raw.de").read_text(encoding="utf-8").split("\n")[:lines]
+    out.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    return out
+
+
+def run_fairseq(fairseq_bin: Path, command: str, *args: str, stdin: Path | None = None) -> str:
+    """A fairseq command's stdout; it must succeed."""
+    with open(stdin or "/dev/null", encoding="utf-8") as source:
+        result = subprocess.run([str(fairseq_bin / command), *args], stdin=source, capture_output=True, text=True,
+                                timeout=600)  # fmt: skip
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
+    """The export works in every fairseq command a user runs on a trained model (fairseq-generate:
+    test_fairseq_generate_gives_our_hypotheses): fairseq-interactive and TransformerModel.from_pretrained
+    translate raw text exactly as our translate.py does, and fairseq-validate scores the exported valid split
+    with the run's criterion (it failed with "Key 'criterion' is not in struct": the export's cfg had only
+    the model and the task)."""
+    export, source = exported["post_ln"], raw_sentences(multi30k_slice, tmp_path / "input.de")
+    search = ["--beam", "4", "--lenpen", "0.6", "--max-len-a", "0", "--max-len-b", MAX_LEN]
+    ours = subprocess.run(
+        ["python", str(ROOT / "scripts" / "translate.py"), "--checkpoint", str(runs / "post_ln"), "--data",
+         str(multi30k_slice), "--input", str(source), *search],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    translations = ours.stdout.splitlines()
+    assert len(translations) == 8 and sum(map(bool, translations)) > 6
+
+    interactive = run_fairseq(
+        fairseq_bin, "fairseq-interactive", str(export), "--path", str(export / "checkpoint.pt"), "-s", "de",
+        "-t", "en", "--bpe", "sentencepiece", "--sentencepiece-model", str(export / "spm.model"), "--cpu", *search,
+        stdin=source,
+    )  # fmt: skip
+    detokenized = dict(line[2:].split("\t")[::2] for line in interactive.splitlines() if line.startswith("D-"))
+    assert [detokenized[str(i)] for i in range(8)] == translations
+
+    hub = tmp_path / "hub.json"
+    result = subprocess.run(
+        [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_hub.py"), str(export), str(source),
+         str(hub)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    loaded = json.loads(hub.read_text())
+    assert loaded["translations"] == translations
+    criterion = loaded["criterion"]
+    assert (criterion["_name"], criterion["label_smoothing"]) == ("label_smoothed_cross_entropy", LABEL_SMOOTHING)
+    assert criterion["sentence_avg"] is False  # fathom averages over target tokens
+
+    validate = run_fairseq(
+        fairseq_bin, "fairseq-validate", str(export), "--path", str(export / "checkpoint.pt"), "--task",
+        "translation", "--batch-size", "64", "--cpu",
+    )  # fmt: skip
+    [line] = [line for line in validate.splitlines() if "valid on 'valid' subset" in line]
+    scores = dict(field.strip().split(" ", 1) for field in line.split(" | ")[1:] if " " in field.strip())
+    loss, nll_loss = float(scores["loss"]), float(scores["nll_loss"])  # bits per target token
+    assert 0 < nll_loss < loss < 2 * nll_loss, line  # smoothed, per token (per sentence it is ~10x larger)
+    print(f"fairseq-validate on the post_ln export: loss {loss} nll_loss {nll_loss} (bits per token)")
 
 
 @pytest.mark.slow

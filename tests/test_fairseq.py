@@ -13,13 +13,19 @@ import pytest
 import sentencepiece as spm
 import torch
 
+from common.errors import ConfigError
 from convert import from_fairseq, to_fairseq
 from corpus.batches import collate
-from corpus.dataset import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus, PreparedData, check_vocab
+from corpus.prepare import main as prepare_main
 from model.fold import fold_model
+from model.model_config import ModelConfig
 from model.norms import SCHEMES
 from model.trained import load_reference
-from tests.helpers import ROOT, edit_prepared, launch
+from model.transformer import Transformer
+from pipeline.preflight import check_run
+from pipeline.train import parse_args as parse_train_args
+from tests.helpers import ROOT, edit_prepared, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -351,6 +357,59 @@ def test_deepspeeds_recovery_scripts_in_a_save_dir_write_the_consolidated_weight
         assert result.returncode == 2 and result.stderr.startswith("fathom: error: "), result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and refused[0] in result.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def write_fairseq_checkpoint(path: Path, data: Path) -> None:
+    """What fairseq-train saves for a small untrained Post-LN transformer over `data`'s dictionaries: its
+    args (model, task, where the data was) and its weights under fairseq's names."""
+    corpus = PreparedData(data)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      norm_scheme="post_ln", src_vocab_size=corpus.src_vocab_size,
+                      tgt_vocab_size=corpus.tgt_vocab_size)  # fmt: skip
+    state = Transformer(cfg).state_dict()  # fairseq's names, sinusoidal positions
+    args = to_fairseq.fairseq_args(cfg)
+    args.task, args.data, args.source_lang, args.target_lang = "translation", str(data), corpus.src, corpus.tgt
+    torch.save({"args": args, "model": {**state, "encoder.version": torch.tensor([3.0]),
+                                        "decoder.version": torch.tensor([3.0])}}, path)  # fmt: skip
+
+
+def test_a_run_from_an_imported_model_refuses_data_with_other_dictionaries(multi30k_slice, tmp_path):
+    """An imported model's dictionaries were checked by size only: data prepared with a dictionary of the
+    same size in another order trained silently against the wrong embeddings. The import records the
+    dictionaries of the data the model was trained on, and a run starting from it (train.init_from)
+    refuses other ones in one line before launch; data prepared with --spm-model and the import's
+    dictionaries starts."""
+    checkpoint, imported = tmp_path / "checkpoint_best.pt", tmp_path / "imported"
+    write_fairseq_checkpoint(checkpoint, multi30k_slice)
+    from_fairseq.main(["--fairseq-checkpoint", str(checkpoint), "--out", str(imported)])
+    other = tmp_path / "other"  # two entries swapped: same sizes, other token ids
+    shutil.copytree(multi30k_slice, other)
+    edit_prepared(other, "dict.de.txt", lambda lines: [*lines[:10], lines[11], lines[10], *lines[12:]])
+
+    def start(data: Path) -> None:
+        overrides = [f"data.path={data}", f"train.save_dir={tmp_path / 'run'}", f"train.init_from={imported}",
+                     "model.norm_scheme=post_ln", "model.encoder_layers=1", "model.decoder_layers=1",
+                     "model.embed_dim=16", "model.ffn_dim=32", "model.attention_heads=2"]  # fmt: skip
+        check_run(parse_train_args(["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *overrides]),
+                  world_size=2)  # fmt: skip
+
+    with pytest.raises(ConfigError) as refused:
+        start(other)
+    message = str(refused.value)
+    assert "\n" not in message and "dict.de.txt is not the dictionary" in message and str(imported) in message
+    assert "--dict" in message  # says how to prepare data for it
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    splits = [write_slice(raw, name, lines) for name, lines in (("train", 400), ("val", 60))]
+    prepared = tmp_path / "prepared"
+    prepare_main(["--src", "de", "--tgt", "en", "--train", splits[0], "--valid", splits[1], "--spm-model",
+                  str(multi30k_slice / "spm.model"), "--dict", str(imported / "dict.de.txt"),
+                  str(imported / "dict.en.txt"), "--workers", "1", "--out", str(prepared)])  # fmt: skip
+    start(prepared)
+    start(multi30k_slice)  # the data the model was trained on
+    with pytest.raises(ConfigError, match="dict.de.txt is not the dictionary"):
+        check_vocab(imported, load_reference(imported).cfg, PreparedData(other))  # generate.py, translate.py
 
 
 def failure(capsys, main, *argv: str) -> str:

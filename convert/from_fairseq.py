@@ -1,11 +1,15 @@
 """Import a fairseq Transformer checkpoint (Post-LN or Pre-LN) as a pipeline checkpoint.
 
-    python scripts/convert_from_fairseq.py --fairseq-checkpoint FAIRSEQ.pt --out DIR
+    python scripts/convert_from_fairseq.py --fairseq-checkpoint FAIRSEQ.pt [--data FAIRSEQ_DATA] --out DIR
 
-DIR gets config.json (the model section) and the weights as DeepSpeed's per-layer files under
-the tag `fairseq`, readable at any stage count. Start a run from them with
-`--override train.init_from=DIR` (the run's model section must describe the same model), or
-translate with them directly: `scripts/generate.py --checkpoint DIR --data ...`.
+DIR gets config.json (the model section), the weights as DeepSpeed's per-layer files under the tag
+`fairseq`, readable at any stage count, and the model's dictionaries: dict.SRC.txt and dict.TGT.txt from
+the data directory fairseq-train read (--data, default the one the checkpoint names), recorded by
+checksum in dictionaries.json as a run records its own. Prepare data with them (scripts/prepare_data.py
+--spm-model MODEL --dict DIR/dict.SRC.txt DIR/dict.TGT.txt) and start a run from the weights with
+`--override train.init_from=DIR` (the run's model section must describe the same model), or translate
+with them directly: `scripts/generate.py --checkpoint DIR --data ...`; data with other dictionaries is
+refused, as for a run.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +28,10 @@ from common.errors import ConfigError, exit_on_config_error
 from common.files import save_file, staged
 from common.outputs import check_output_dir
 from common.run_layout import CONFIG_FILE, LATEST
-from convert.to_fairseq import fairseq_key
+from corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
 from model.model_config import ModelConfig
 from model.norms import model_section
-from model.parts import model_parts
+from model.parts import fairseq_key, model_parts
 
 TAG = "fairseq"
 SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace
@@ -51,13 +56,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         required=True,
         help="a fairseq checkpoint file (arch transformer*), e.g. checkpoint_best.pt",
     )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="the data directory fairseq-train read, with dict.SRC.txt and dict.TGT.txt (default: the one the "
+        "checkpoint names)",
+    )
     parser.add_argument("--out", required=True, help="output directory (must not exist unless --force)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args(argv)
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(model arguments, state dict) of a fairseq checkpoint, loaded without running pickled code."""
+@dataclass
+class FairseqCheckpoint:
+    args: dict[str, Any]  # the model's arguments
+    task: dict[str, Any]  # the task's: data, source_lang, target_lang
+    state: dict[str, torch.Tensor]
+
+
+def read_checkpoint(path: Path) -> FairseqCheckpoint:
+    """A fairseq checkpoint's model and task arguments and state dict, loaded without running pickled code."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; pass a fairseq checkpoint such as checkpoint_best.pt")
     try:
@@ -68,10 +86,16 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         raise ConfigError(f"{path}: not a loadable fairseq checkpoint ({reason})") from None
     if not isinstance(checkpoint, dict) or "model" not in checkpoint:
         raise ConfigError(f"{path}: not a fairseq checkpoint (no 'model' entry)")
-    args = checkpoint.get("args") or (checkpoint.get("cfg") or {}).get("model")
+    cfg = checkpoint.get("cfg") or {}
+    args = checkpoint.get("args") or cfg.get("model")  # fairseq-train's before 0.10 and since
     if args is None:
         raise ConfigError(f"{path}: has neither 'args' nor 'cfg.model'; cannot tell its architecture")
-    return (vars(args) if isinstance(args, argparse.Namespace) else dict(args)), checkpoint["model"]
+    task = checkpoint.get("args") or cfg.get("task") or {}
+    return FairseqCheckpoint(as_dict(args), as_dict(task), checkpoint["model"])
+
+
+def as_dict(section: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
+    return vars(section) if isinstance(section, argparse.Namespace) else dict(section)
 
 
 def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path: Path) -> ModelConfig:
@@ -144,25 +168,73 @@ def write_layers(cfg: ModelConfig, state: dict[str, torch.Tensor], checkpoint: P
         raise ConfigError(f"{source}: weight {extra[0]} has no place in this model ({len(extra)} such); not converted")
 
 
-def convert(args: argparse.Namespace) -> ModelConfig:
+def language_pair(directory: Path) -> tuple[str, str] | None:
+    """The languages fairseq-train infers from a data directory when not given them: the first file named
+    SPLIT.SRC-TGT.* (train.de-en.de.bin, ...)."""
+    for name in sorted(path.name for path in directory.iterdir()):
+        parts = name.split(".")
+        if len(parts) >= 3 and len(pair := parts[1].split("-")) == 2 and all(pair):
+            return pair[0], pair[1]
+    return None
+
+
+def model_dictionaries(
+    task: dict[str, Any], data: str | None, cfg: ModelConfig, source: Path
+) -> tuple[Path, dict[str, Dictionary]]:
+    """The data directory the model was trained on (`data`, default the one its task names) and its
+    dictionaries, {language: dictionary}, each the size of its side's embeddings."""
+    fix = "pass --data, the data directory fairseq-train read (with the dictionaries dict.SRC.txt and dict.TGT.txt)"
+    where = data or str(task.get("data") or "").split(":")[0]  # fairseq's shards each hold the dictionaries
+    if not where:
+        raise ConfigError(f"{source}: names no data directory; {fix}")
+    directory = Path(where)
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: no such directory (the model's data directory); {fix}")
+    langs = (task.get("source_lang"), task.get("target_lang"))
+    if None in langs and (langs := language_pair(directory)) is None:
+        raise ConfigError(
+            f"{directory}: cannot tell the languages (the checkpoint names none, and no file is named "
+            f"SPLIT.SRC-TGT.*); {fix}"
+        )
+    dictionaries = {}
+    for lang, side, size in zip(langs, ("encoder", "decoder"), (cfg.src_vocab_size, cfg.tgt_vocab_size), strict=True):
+        path = directory / f"dict.{lang}.txt"
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing; {fix}")
+        dictionaries[lang] = Dictionary.load(path)
+        if len(dictionaries[lang]) != size:
+            raise ConfigError(
+                f"{path}: {len(dictionaries[lang])} entries, but the model's {side} embeds {size} tokens; {fix}"
+            )
+    return directory, dictionaries
+
+
+def convert(args: argparse.Namespace) -> tuple[ModelConfig, list[str]]:
+    """Writes the import; returns its model and the dictionaries' languages (source, target)."""
     source, out = Path(args.fairseq_checkpoint), Path(args.out)
     check_output_dir(out, args.force, SUMMARY, [source])
-    fairseq_args, state = read_checkpoint(source)
-    cfg = model_config_from(fairseq_args, state, source)
+    checkpoint = read_checkpoint(source)
+    cfg = model_config_from(checkpoint.args, checkpoint.state, source)
+    data, dictionaries = model_dictionaries(checkpoint.task, args.data, cfg, source)
     with staged(out) as staging:
         (staging / TAG).mkdir()
-        write_layers(cfg, state, staging / TAG, source)
+        write_layers(cfg, checkpoint.state, staging / TAG, source)
         (staging / LATEST).write_text(TAG)
         (staging / CONFIG_FILE).write_text(json.dumps({"model": model_section(cfg)}, indent=2) + "\n")
+        for lang, dictionary in dictionaries.items():
+            dictionary.save(staging / f"dict.{lang}.txt")  # as prepare_data writes one, which it is compared with
+        record_dictionaries(staging, dictionary_digests(staging, dictionaries), data.resolve())
         (staging / SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
-    return cfg
+    return cfg, list(dictionaries)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        cfg = convert(args)
+        cfg, langs = convert(args)
+    dictionaries = " ".join(str(Path(args.out) / f"dict.{lang}.txt") for lang in langs)
     print(
         f"wrote {args.out}: fairseq transformer as {cfg.norm_scheme}, {cfg.encoder_layers}L-{cfg.decoder_layers}L, "
-        f"d={cfg.embed_dim}; start a run from it with --override train.init_from={args.out}"
+        f"d={cfg.embed_dim}; prepare data with its dictionaries (scripts/prepare_data.py --spm-model MODEL --dict "
+        f"{dictionaries}) and start a run from it with --override train.init_from={args.out}"
     )

@@ -2,11 +2,12 @@
 
     python scripts/convert_to_fairseq.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --out OUT
 
-OUT gets checkpoint.pt (fairseq's `model` state dict and `cfg`: arch transformer, translation
-task), dict.SRC.txt, dict.TGT.txt and the SentencePiece model(s): what fairseq-generate,
-fairseq-interactive and checkpoint_utils.load_model_ensemble_and_task need; the data's splits
-but train as fairseq raw text (SPLIT.SRC-TGT.LANG, for fairseq-generate --dataset-impl raw); and
-fathom_export.json, the summary.
+OUT gets checkpoint.pt (fairseq's `model` state dict and the run's `args` as fairseq-train records
+them: arch transformer, the translation task over OUT, the run's label-smoothed criterion),
+dict.SRC.txt, dict.TGT.txt and the SentencePiece model(s); the data's splits but train as fairseq raw
+text (SPLIT.SRC-TGT.LANG); and fathom_export.json, the summary. fairseq-generate (--dataset-impl raw),
+fairseq-interactive, fairseq-validate and TransformerModel.from_pretrained run on OUT as on a model
+fairseq-train saved.
 
 The checkpoint is read one pipeline layer file at a time, in the order of the parts, and each
 layer is folded into its fairseq counterpart (model/fold.py) as it goes: a 500L-500L model is
@@ -24,13 +25,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from common.checkpoint_format import layer_file, load_file, schedule_step
+from common.checkpoint_format import global_step, layer_file, load_file, schedule_step
 from common.errors import ConfigError, exit_on_config_error
 from common.files import save_file, staged
 from common.outputs import check_output_dir
@@ -40,13 +42,20 @@ from corpus.dataset import BinarizedCorpus, check_vocab
 from model.fold import folded
 from model.model_config import PAD, ModelConfig
 from model.norms import SCHEMES, ScheduleHook, build_scheme
-from model.parts import build_parts
+from model.parts import build_parts, fairseq_key
 from model.trained import missing_layer_files, model_config
+from pipeline.config.history import config_at
+from pipeline.config.run_config import TrainConfig
 from pipeline.stage_modules import PipePart, pipe_parts
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"
 CHECK_PAIRS = 16  # validation pairs run through both models
+# fairseq builds the whole config of a checkpoint saved with `args` (as fairseq-train saved them before
+# 0.10, and as its hub models are) from its own defaults for what the args leave out; but a field whose
+# default is another field's value ("${common.fp16}") it reads as that string's truth, so those are given.
+LINKED_DEFAULTS = {"fp16": False, "memory_efficient_fp16": False, "tpu": False, "grouped_shuffling": False,
+                   "update_epoch_batch_itr": False, "model_parallel_size": 1, "distributed_world_size": 1}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +82,6 @@ def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
         "learned_pos": (cfg.learned_pos, cfg.learned_pos),
     }
     return argparse.Namespace(
-        _name="transformer",
         arch="transformer",
         **{f"encoder_{key}": encoder for key, (encoder, _) in sides.items()},
         **{f"decoder_{key}": decoder for key, (_, decoder) in sides.items()},
@@ -89,13 +97,6 @@ def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
         layernorm_embedding=False,
         no_token_positional_embeddings=False,
     )
-
-
-def fairseq_key(module: str, key: str) -> str:
-    """Our parameter name -> fairseq's (the only difference: learned positions live beside the tokens)."""
-    if key == "positions.weight":
-        return f"{module.split('.')[0]}.embed_positions.weight"
-    return f"{module}.{key}"
 
 
 def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
@@ -146,22 +147,42 @@ def load_layer(path: Path, module: nn.Module) -> None:
         raise ConfigError(f"{path}: cannot load ({reason}); the checkpoint is damaged or from another model") from None
 
 
-def fairseq_checkpoint(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], corpus: BinarizedCorpus, data_dir: Path, summary: dict
-) -> dict:
-    """What fairseq's checkpoint_utils reads: the model's args (as fairseq-train saves them, a
-    Namespace under cfg.model), the translation task, the weights and an optimizer history."""
+def fairseq_run_args(
+    cfg: ModelConfig, train: dict[str, Any], corpus: BinarizedCorpus, out: Path, spm_files: list[Path]
+) -> argparse.Namespace:
+    """What fairseq-train records of a run: the model's arguments, the translation task over the export
+    directory `out` (its dictionaries and raw splits), the label-smoothed cross-entropy with the run's
+    smoothing averaged over target tokens, as fathom's is, the run's seed, and SentencePiece when one model
+    serves both sides (from_pretrained then translates raw text)."""
+    args = argparse.Namespace(
+        **vars(fairseq_args(cfg)),
+        **LINKED_DEFAULTS,
+        task="translation",
+        data=str(out.resolve()),
+        source_lang=corpus.src,
+        target_lang=corpus.tgt,
+        dataset_impl="raw",
+        criterion="label_smoothed_cross_entropy",
+        label_smoothing=train["label_smoothing"],
+        sentence_avg=False,
+        seed=train["seed"],
+    )
+    if len(spm_files) == 1:
+        args.bpe, args.sentencepiece_model = "sentencepiece", str(out.resolve() / spm_files[0].name)
+    return args
+
+
+def trained_with(save_dir: Path, step: int) -> dict[str, Any]:
+    """The run's train section at `step`: what fairseq records of it comes from there (TrainConfig's
+    defaults for a directory without one, an import)."""
+    train = config_at(save_dir, step).get("train", {})
+    return {key: train.get(key, getattr(TrainConfig, key)) for key in ("label_smoothing", "seed")}
+
+
+def fairseq_checkpoint(args: argparse.Namespace, state: dict[str, torch.Tensor], summary: dict) -> dict:
+    """What fairseq's checkpoint_utils reads: the run's args, the weights and an optimizer history."""
     return {
-        "cfg": {
-            "_name": None,
-            "model": fairseq_args(cfg),
-            "task": {
-                "_name": "translation",
-                "data": str(data_dir.resolve()),
-                "source_lang": corpus.src,
-                "target_lang": corpus.tgt,
-            },
-        },
+        "args": args,
         "model": state,
         "optimizer_history": [
             {
@@ -263,7 +284,9 @@ class Export:
             "max_abs_log_prob_difference": difference,
             "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
         }
-        save_file(fairseq_checkpoint(self.fairseq_cfg, state, corpus, final, summary), out / CHECKPOINT)
+        train = trained_with(self.checkpoint.parent, global_step(self.checkpoint))
+        args = fairseq_run_args(self.fairseq_cfg, train, corpus, final, spm_files)
+        save_file(fairseq_checkpoint(args, state, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
             shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
         for path in spm_files:

@@ -291,20 +291,28 @@ def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:
             raise ConfigError(f"data.path: shard {shard.path} has another {name} than {first.path}; {fix}")
 
 
-def dictionary_digests(corpus: PreparedData) -> dict[str, str]:
-    names = {f"dict.{corpus.src}.txt", f"dict.{corpus.tgt}.txt"}
-    return {name: hashlib.sha256((corpus.path / name).read_bytes()).hexdigest() for name in sorted(names)}
+def dictionary_digests(directory: Path, langs: Iterable[str]) -> dict[str, str]:
+    """The SHA-256 of a directory's dictionaries dict.LANG.txt, by file name."""
+    names = sorted({f"dict.{lang}.txt" for lang in langs})
+    return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in names}
 
 
-def write_dictionaries(save_dir: str | Path, corpus: PreparedData) -> None:
-    text = json.dumps({"data": str(corpus.path), "sha256": dictionary_digests(corpus)}, indent=2)
+def record_dictionaries(save_dir: str | Path, digests: dict[str, str], data: Path) -> None:
+    """Records in save_dir the dictionaries its weights were trained with, and the data they came from."""
+    text = json.dumps({"data": str(data), "sha256": digests}, indent=2)
     write_atomic(Path(save_dir) / DICTIONARIES_FILE, text + "\n")
 
 
-def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData) -> None:
+def write_dictionaries(save_dir: str | Path, corpus: PreparedData) -> None:
+    record_dictionaries(save_dir, dictionary_digests(corpus.path, (corpus.src, corpus.tgt)), corpus.path)
+
+
+def check_vocab(
+    save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData, fix: str = "use the run's data directory"
+) -> None:
     """Fails unless the data directory's dictionaries are the ones the run in save_dir was trained with
-    (by content where the run recorded them, by size for older runs)."""
-    fix, data = "use the run's data directory", corpus.path
+    (by content where the run or the import recorded them, by size for older runs); `fix` ends the line."""
+    data = corpus.path
     if (cfg.src_vocab_size, cfg.tgt_vocab_size) != (corpus.src_vocab_size, corpus.tgt_vocab_size):
         raise ConfigError(
             f"{data}: dictionaries have {corpus.src_vocab_size}/{corpus.tgt_vocab_size} entries but the model was "
@@ -314,7 +322,7 @@ def check_vocab(save_dir: str | Path, cfg: ModelConfig, corpus: PreparedData) ->
     if not recorded.exists():
         return
     trained = json.loads(recorded.read_text())
-    for name, digest in dictionary_digests(corpus).items():
+    for name, digest in dictionary_digests(corpus.path, (corpus.src, corpus.tgt)).items():
         if trained["sha256"].get(name) != digest:
             raise ConfigError(
                 f"{data}: {name} is not the dictionary the run in {save_dir} was trained with "

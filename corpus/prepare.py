@@ -5,8 +5,9 @@
 
 PREFIX.de and PREFIX.en are raw text, plain or .gz, one sentence per line. The corpus is streamed: memory
 does not grow with its size. SentencePiece trains on a seeded sample of --spm-sample sentences (every
-one when there are fewer), or --spm-model gives a model; --vocab-from DIR takes a directory's models and
-dictionaries, so that shards of one corpus share them. Everything is written to a temporary directory
+one when there are fewer), or --spm-model gives a model (and --dict its dictionaries, e.g. those of a
+model imported from fairseq); --vocab-from DIR takes a directory's models and dictionaries, so that
+shards of one corpus share them. Everything is written to a temporary directory
 beside DIR and renamed into place only when complete, so a failure never leaves a half-written DIR.
 """
 
@@ -59,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--spm-model", nargs="+", type=Path, metavar="FILE", help="use this model (two: source, target) instead"
     )
+    parser.add_argument(
+        "--dict",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="with --spm-model: this fairseq dictionary (two: source, target) instead of one counted from the data, "
+        "e.g. an imported model's",
+    )
     parser.add_argument("--vocab-from", type=Path, metavar="DIR", help="a prepared directory's models and dictionaries")
     for option in filters.options():
         parser.add_argument(option.flag, type=option.type, default=option.default, help=option.help)
@@ -85,6 +94,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--spm-model: {len(args.spm_model)} files; give one (both sides) or two (source, target)")
     if args.spm_model and args.separate_vocab and len(args.spm_model) != 2:
         raise ConfigError("--spm-model with --separate-vocab: give two models, the source's and the target's")
+    if args.dict and not args.spm_model:
+        raise ConfigError("--dict: give the SentencePiece model its pieces come from with --spm-model")
+    if args.dict and len(args.dict) > 2:
+        raise ConfigError(f"--dict: {len(args.dict)} files; give one (both sides) or two (source, target)")
 
 
 @dataclass(frozen=True)
@@ -189,8 +202,18 @@ def given_vocabulary(args: argparse.Namespace) -> Vocabulary | None:
     if args.spm_model:
         for model in args.spm_model:
             subwords.check_model(model, args.vocab_size, "--spm-model")
-        return Vocabulary((args.spm_model[0], args.spm_model[-1]))
+        return Vocabulary((args.spm_model[0], args.spm_model[-1]), given_dictionaries(args.dict))
     return None
+
+
+def given_dictionaries(paths: list[Path] | None) -> tuple[Dictionary, Dictionary] | None:
+    """--dict's dictionaries (source, target; one file serves both), or None: count them from the data."""
+    if not paths:
+        return None
+    for path in paths:
+        if not path.is_file():
+            raise ConfigError(f"--dict {path}: no such file")
+    return Dictionary.load(paths[0]), Dictionary.load(paths[-1])
 
 
 def sentencepiece_models(
@@ -203,7 +226,8 @@ def sentencepiece_models(
         for model, name in zip(given.models, names, strict=True):
             shutil.copyfile(model, tmp / name)
         source = str(args.vocab_from) if args.vocab_from else [str(m) for m in args.spm_model]
-        return Vocabulary((tmp / names[0], tmp / names[1]), given.dictionaries), {"given": source}
+        dictionaries = {"dictionaries": [str(path) for path in args.dict]} if args.dict else {}
+        return Vocabulary((tmp / names[0], tmp / names[1]), given.dictionaries), {"given": source, **dictionaries}
     pairs = scanned.lines - len(scanned.empty)
     groups = [list(train.files)] if not args.separate_vocab else [[f] for f in train.files]
     paths = [tmp / "spm.model"] if not args.separate_vocab else [tmp / f"spm.{lang}.model" for lang in langs]

@@ -98,6 +98,14 @@ def module_names(cfg: ModelConfig) -> list[str]:
     return [part.name for part in model_parts(cfg)]
 
 
+def fairseq_key(part: str, key: str) -> str:
+    """A part's parameter under fairseq's name: the part's, but learned positions, which fairseq keeps
+    beside the token table (`encoder.embed_positions`) and this model inside it."""
+    if key == "positions.weight":
+        return f"{part.split('.')[0]}.embed_positions.weight"
+    return f"{part}.{key}"
+
+
 def saved_names(cfg: ModelConfig) -> list[str | None]:
     """module_names(cfg), with None for every later use of a shared table: a pipeline checkpoint has a
     file per layer index, and DeepSpeed saves a tied layer under its first use only."""

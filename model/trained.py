@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from common.checkpoint_format import layer_file, load_file, schedule_step
 from common.errors import ConfigError
 from common.run_layout import CONFIG_FILE, checkpoint_dir
 from model.model_config import ModelConfig
 from model.norms import ScheduleHook, parse_model
-from model.parts import saved_names
+from model.parts import fairseq_key, model_parts, saved_names
 from model.transformer import Transformer
 
 
@@ -86,3 +88,13 @@ def load_reference(save_dir: str | Path, tag: str | None = None) -> Transformer:
         model.get_submodule(name).load_state_dict(state)
     ScheduleHook(model)(schedule_step(checkpoint))
     return model.eval()
+
+
+def fairseq_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's whole state dict under fairseq's names, a shared table under each of its names as fairseq
+    saves it (one tensor: torch.save writes it once)."""
+    return {
+        fairseq_key(part.name, key): value
+        for part in model_parts(model.cfg)
+        for key, value in model.get_submodule(part.name).state_dict().items()
+    }

@@ -134,6 +134,13 @@ def set_checkpoint_engine(engine: deepspeed.PipelineEngine, writer: CheckpointEn
     engine.checkpoint_engine = writer
 
 
+def replace_recovery_scripts(engine: deepspeed.PipelineEngine, write: Callable[[str], None]) -> None:
+    """A save with ZeRO (or bf16) has global rank 0 copy DeepSpeed's zero_to_fp32.py and zero_to_torch.py
+    into the save directory (DeepSpeedEngine._copy_recovery_script(save_path)); `write(save_path)` runs
+    instead."""
+    engine._copy_recovery_script = write
+
+
 def wrap_instructions(engine: deepspeed.PipelineEngine, wrap: Callable[[str, Callable], Callable]) -> list[str]:
     """Runs each pipeline instruction of this engine (ForwardPass, SendActivation, ...) through what
     `wrap(name, method)` returns; returns the instruction names. The engine looks its instructions up

@@ -5,8 +5,9 @@ pipeline/deepspeed_internals.py). Several patches wrap the same things, the engi
 each layer's call, and the one applied last runs outermost, so the order is part of what a run does:
 
 1. `patch_engine`, as soon as the engine is built, before anything loads: the joined backward, receive
-   buffers that keep their dtype, ZeRO's one-pass gradient scans, no all-reduce on one replica, and the
-   crash-safe checkpoint engine, which the resume's load already reads through.
+   buffers that keep their dtype, ZeRO's one-pass gradient scans, no all-reduce on one replica, the
+   crash-safe checkpoint engine, which the resume's load already reads through, and fathom's
+   zero_to_fp32.py in every save_dir for DeepSpeed's.
 2. `patch_training`, once the start point is loaded (and Admin profiled, in eval mode, without them):
    the dropout masks, which reseed each layer's call and replace the checkpoint function; the stability
    guard, whose hooks see the masked layers' outputs and whose check runs before ZeRO's in the model
@@ -29,8 +30,10 @@ import deepspeed
 from corpus.batches import DataPosition
 from model.model_config import ModelConfig
 from pipeline.checkpoint import saving
+from pipeline.checkpoint.consolidated import write_recovery_scripts
 from pipeline.deepspeed_internals import (
     backward_in_one_call,
+    replace_recovery_scripts,
     set_gradient_scans,
     set_self_reduction,
     typed_receive_buffers,
@@ -48,6 +51,7 @@ def patch_engine(engine: deepspeed.PipelineEngine) -> None:
     set_gradient_scans(engine, fused=True)
     set_self_reduction(engine, skipped=True)
     saving.install(engine)
+    replace_recovery_scripts(engine, write_recovery_scripts)
 
 
 @dataclass

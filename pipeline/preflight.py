@@ -11,6 +11,7 @@ from common.errors import ConfigError
 from common.outputs import check_makeable
 from common.run_layout import META_FILE, has_checkpoints
 from corpus.batches import ParallelCorpus, check_budget
+from corpus.dataset import PreparedData, check_vocab
 from model.layers import compiler_missing
 from model.model_config import ModelConfig
 from model.trained import check_init_from
@@ -82,6 +83,11 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     check_not_in_use(save_dir)
     if cfg.train.init_from:
         check_init_from(cfg.train.init_from, cfg.model)
+        if isinstance(corpus, PreparedData):  # a run's dictionaries are its data's; an import keeps copies
+            source = cfg.train.init_from
+            check_vocab(source, cfg.model, corpus, "prepare it with those dictionaries: scripts/prepare_data.py "
+                        f"--vocab-from that directory, or for an import --spm-model MODEL --dict {source}/dict.SRC.txt "
+                        f"{source}/dict.TGT.txt (docs/REAL_DATA.md)")  # fmt: skip
     if not args.resume and has_checkpoints(save_dir):
         raise ConfigError(
             f"train.save_dir: {save_dir} already holds checkpoints; pass --resume to continue them "

@@ -189,12 +189,12 @@ def test_each_internal_does_what_fathom_relies_on(process_group, monkeypatch):
 @pytest.mark.slow
 def test_reading_translating_and_converting_do_not_import_deepspeed():
     """DeepSpeed is the training engine only: the model, data preparation, checkpoint reading,
-    translation and conversion import without it (its logger writes to stdout, and a machine that only
-    translates need not build it)."""
+    translation and conversion (a save_dir's zero_to_fp32.py too) import without it (its logger writes to
+    stdout, and a machine that only translates need not build it)."""
     modules = ["model", "model.parts", "model.fold", "model.trained", "corpus.prepare", "corpus.batches",
                "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.stage_modules",
                "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
-               "convert.average"]  # fmt: skip
+               "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
     code = (
         f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; print('deepspeed' in sys.modules)"
     )

@@ -3,6 +3,7 @@ environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -12,13 +13,19 @@ import pytest
 import sentencepiece as spm
 import torch
 
+from common.errors import ConfigError
 from convert import from_fairseq, to_fairseq
 from corpus.batches import collate
-from corpus.dataset import BinarizedCorpus
+from corpus.dataset import BinarizedCorpus, PreparedData, check_vocab
+from corpus.prepare import main as prepare_main
 from model.fold import fold_model
+from model.model_config import ModelConfig
 from model.norms import SCHEMES
 from model.trained import load_reference
-from tests.helpers import ROOT, edit_prepared, launch
+from model.transformer import Transformer
+from pipeline.preflight import check_run
+from pipeline.train import parse_args as parse_train_args
+from tests.helpers import ROOT, edit_prepared, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -28,10 +35,12 @@ STEPS = (
     "scheduler.params.warmup_max_lr=0.003,scheduler.params.warmup_num_steps=10,"
     "train_micro_batch_size_per_gpu=16,gradient_accumulation_steps=2"
 )
-# The three ways of sharing embeddings, over the exportable schemes in turn; BranchNorm stops at alpha_t = 0.5.
+# The three ways of sharing embeddings, over the exportable schemes in turn; BranchNorm stops at alpha_t = 0.5;
+# post_ln's export carries a label smoothing other than the default into fairseq-validate's criterion.
 SHARING = ["model.share_decoder_input_output_embed=true", "model.share_all_embeddings=true",
            "model.share_all_embeddings=false"]  # fmt: skip
-OPTIONS = {"branchnorm": "model.branchnorm.T=200"}
+LABEL_SMOOTHING = 0.2
+OPTIONS = {"branchnorm": "model.branchnorm.T=200", "post_ln": f"train.label_smoothing={LABEL_SMOOTHING}"}
 CASES = {
     **{
         name: ",".join(filter(None, [f"model.norm_scheme={name}", SHARING[i % 3], OPTIONS.get(name), SMALL, STEPS]))
@@ -182,6 +191,71 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
 
 
+def raw_sentences(data: Path, out: Path, lines: int = 8) -> Path:
+    """The first raw source sentences of the data's test split, one a line."""
+    text = (data / "test.raw.de").read_text(encoding="utf-8").split("\n")[:lines]
+    out.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    return out
+
+
+def run_fairseq(fairseq_bin: Path, command: str, *args: str, stdin: Path | None = None) -> str:
+    """A fairseq command's stdout; it must succeed."""
+    with open(stdin or "/dev/null", encoding="utf-8") as source:
+        result = subprocess.run([str(fairseq_bin / command), *args], stdin=source, capture_output=True, text=True,
+                                timeout=600)  # fmt: skip
+    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
+    """The export works in every fairseq command a user runs on a trained model (fairseq-generate:
+    test_fairseq_generate_gives_our_hypotheses): fairseq-interactive and TransformerModel.from_pretrained
+    translate raw text exactly as our translate.py does, and fairseq-validate scores the exported valid split
+    with the run's criterion (it failed with "Key 'criterion' is not in struct": the export's cfg had only
+    the model and the task)."""
+    export, source = exported["post_ln"], raw_sentences(multi30k_slice, tmp_path / "input.de")
+    search = ["--beam", "4", "--lenpen", "0.6", "--max-len-a", "0", "--max-len-b", MAX_LEN]
+    ours = subprocess.run(
+        ["python", str(ROOT / "scripts" / "translate.py"), "--checkpoint", str(runs / "post_ln"), "--data",
+         str(multi30k_slice), "--input", str(source), *search],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    translations = ours.stdout.splitlines()
+    assert len(translations) == 8 and sum(map(bool, translations)) > 6
+
+    interactive = run_fairseq(
+        fairseq_bin, "fairseq-interactive", str(export), "--path", str(export / "checkpoint.pt"), "-s", "de",
+        "-t", "en", "--bpe", "sentencepiece", "--sentencepiece-model", str(export / "spm.model"), "--cpu", *search,
+        stdin=source,
+    )  # fmt: skip
+    detokenized = dict(line[2:].split("\t")[::2] for line in interactive.splitlines() if line.startswith("D-"))
+    assert [detokenized[str(i)] for i in range(8)] == translations
+
+    hub = tmp_path / "hub.json"
+    result = subprocess.run(
+        [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_hub.py"), str(export), str(source),
+         str(hub)], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    loaded = json.loads(hub.read_text())
+    assert loaded["translations"] == translations
+    criterion = loaded["criterion"]
+    assert (criterion["_name"], criterion["label_smoothing"]) == ("label_smoothed_cross_entropy", LABEL_SMOOTHING)
+    assert criterion["sentence_avg"] is False  # fathom averages over target tokens
+
+    validate = run_fairseq(
+        fairseq_bin, "fairseq-validate", str(export), "--path", str(export / "checkpoint.pt"), "--task",
+        "translation", "--batch-size", "64", "--cpu",
+    )  # fmt: skip
+    [line] = [line for line in validate.splitlines() if "valid on 'valid' subset" in line]
+    scores = dict(field.strip().split(" ", 1) for field in line.split(" | ")[1:] if " " in field.strip())
+    loss, nll_loss = float(scores["loss"]), float(scores["nll_loss"])  # bits per target token
+    assert 0 < nll_loss < loss < 2 * nll_loss, line  # smoothed, per token (per sentence it is ~10x larger)
+    print(f"fairseq-validate on the post_ln export: loss {loss} nll_loss {nll_loss} (bits per token)")
+
+
 @pytest.mark.slow
 def test_exports_import_back(exported, runs, multi30k_slice, tmp_path):
     """fairseq -> ours: a Post-LN or Pre-LN export comes back with the very same weights; a folded
@@ -246,6 +320,96 @@ def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_
     trained, start = load_reference(run).state_dict(), load_reference(imported).state_dict()
     for key, value in start.items():
         assert torch.equal(trained[key], value), key
+
+
+def fairseq_weights(export: Path) -> dict[str, torch.Tensor]:
+    """An export's state dict without fairseq's bookkeeping (versions, the sinusoids' placeholders)."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(export / "checkpoint.pt", weights_only=True)["model"]
+    return {key: value for key, value in state.items() if not key.endswith(("version", "_float_tensor"))}
+
+
+@pytest.mark.slow
+def test_deepspeeds_recovery_scripts_in_a_save_dir_write_the_consolidated_weights(runs, exported, tmp_path):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py into every save_dir; on a pipeline checkpoint
+    they failed ('NoneType' object has no attribute 'items': its mp_rank_00_model_states.pt holds module=None,
+    the weights are in the layer files). The copies in a real save_dir now write what they promise,
+    OUTPUT_DIR/pytorch_model.bin: one state dict of the whole model under fairseq's names, here the very
+    tensors of the fairseq export (a Post-LN model folds nothing), in fp32 or the --dtype asked for."""
+    run = runs / "post_ln"
+
+    def script(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["python", name, ".", *args], cwd=run, capture_output=True, text=True, timeout=600)
+
+    result = script("zero_to_fp32.py", str(tmp_path / "fp32"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    weights = fairseq_weights(exported["post_ln"])
+    assert state.keys() == weights.keys()
+    assert all(value.dtype == torch.float32 and torch.equal(value, weights[key]) for key, value in state.items())
+
+    result = script("zero_to_torch.py", str(tmp_path / "bf16"), "--dtype", "bf16", "--tag", "global_step100")
+    assert result.returncode == 0, result.stderr[-3000:]
+    halved = torch.load(tmp_path / "bf16" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(value, weights[key].bfloat16()) for key, value in halved.items())
+    for refused in (["--safe_serialization"], ["--max_shard_size", "1GB"]):
+        result = script("zero_to_fp32.py", str(tmp_path / "refused"), *refused)
+        assert result.returncode == 2 and result.stderr.startswith("fathom: error: "), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and refused[0] in result.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+def write_fairseq_checkpoint(path: Path, data: Path) -> None:
+    """What fairseq-train saves for a small untrained Post-LN transformer over `data`'s dictionaries: its
+    args (model, task, where the data was) and its weights under fairseq's names."""
+    corpus = PreparedData(data)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      norm_scheme="post_ln", src_vocab_size=corpus.src_vocab_size,
+                      tgt_vocab_size=corpus.tgt_vocab_size)  # fmt: skip
+    state = Transformer(cfg).state_dict()  # fairseq's names, sinusoidal positions
+    args = to_fairseq.fairseq_args(cfg)
+    args.task, args.data, args.source_lang, args.target_lang = "translation", str(data), corpus.src, corpus.tgt
+    torch.save({"args": args, "model": {**state, "encoder.version": torch.tensor([3.0]),
+                                        "decoder.version": torch.tensor([3.0])}}, path)  # fmt: skip
+
+
+def test_a_run_from_an_imported_model_refuses_data_with_other_dictionaries(multi30k_slice, tmp_path):
+    """An imported model's dictionaries were checked by size only: data prepared with a dictionary of the
+    same size in another order trained silently against the wrong embeddings. The import records the
+    dictionaries of the data the model was trained on, and a run starting from it (train.init_from)
+    refuses other ones in one line before launch; data prepared with --spm-model and the import's
+    dictionaries starts."""
+    checkpoint, imported = tmp_path / "checkpoint_best.pt", tmp_path / "imported"
+    write_fairseq_checkpoint(checkpoint, multi30k_slice)
+    from_fairseq.main(["--fairseq-checkpoint", str(checkpoint), "--out", str(imported)])
+    other = tmp_path / "other"  # two entries swapped: same sizes, other token ids
+    shutil.copytree(multi30k_slice, other)
+    edit_prepared(other, "dict.de.txt", lambda lines: [*lines[:10], lines[11], lines[10], *lines[12:]])
+
+    def start(data: Path) -> None:
+        overrides = [f"data.path={data}", f"train.save_dir={tmp_path / 'run'}", f"train.init_from={imported}",
+                     "model.norm_scheme=post_ln", "model.encoder_layers=1", "model.decoder_layers=1",
+                     "model.embed_dim=16", "model.ffn_dim=32", "model.attention_heads=2"]  # fmt: skip
+        check_run(parse_train_args(["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *overrides]),
+                  world_size=2)  # fmt: skip
+
+    with pytest.raises(ConfigError) as refused:
+        start(other)
+    message = str(refused.value)
+    assert "\n" not in message and "dict.de.txt is not the dictionary" in message and str(imported) in message
+    assert "--dict" in message  # says how to prepare data for it
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    splits = [write_slice(raw, name, lines) for name, lines in (("train", 400), ("val", 60))]
+    prepared = tmp_path / "prepared"
+    prepare_main(["--src", "de", "--tgt", "en", "--train", splits[0], "--valid", splits[1], "--spm-model",
+                  str(multi30k_slice / "spm.model"), "--dict", str(imported / "dict.de.txt"),
+                  str(imported / "dict.en.txt"), "--workers", "1", "--out", str(prepared)])  # fmt: skip
+    start(prepared)
+    start(multi30k_slice)  # the data the model was trained on
+    with pytest.raises(ConfigError, match="dict.de.txt is not the dictionary"):
+        check_vocab(imported, load_reference(imported).cfg, PreparedData(other))  # generate.py, translate.py
 
 
 def failure(capsys, main, *argv: str) -> str:

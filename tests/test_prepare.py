@@ -72,6 +72,24 @@ def test_a_given_sentencepiece_model_is_used_as_it_is(standin, tmp_path, capsys)
     assert not (tmp_path / "bad").exists()
 
 
+def test_given_dictionaries_are_used_as_they_are(standin, tmp_path):
+    """--dict with --spm-model (data for a model imported from fairseq): the data's token ids are the given
+    dictionary's, in its order, not one counted from the data."""
+    first = tmp_path / "first"
+    run_prepare(standin, first, "--vocab-size", "500", "--spm-sample", "3000")
+    lines = (first / "dict.en.txt").read_text().split("\n")
+    reordered = tmp_path / "dict.en.txt"
+    reordered.write_text("\n".join([lines[1], lines[0], *lines[2:]]))
+    given = [str(first / "dict.de.txt"), str(reordered)]
+    meta = run_prepare(standin, tmp_path / "given", "--spm-model", str(first / "spm.model"), "--dict", *given)
+    assert meta["sentencepiece"] == {"given": [str(first / "spm.model")], "dictionaries": given}
+    assert (tmp_path / "given" / "dict.en.txt").read_bytes() == reordered.read_bytes()
+    counted, ours = BinarizedCorpus(first, "train"), BinarizedCorpus(tmp_path / "given", "train")
+    assert not np.array_equal(counted.targets.data, ours.targets.data)  # the two first entries swapped ids
+    for i in range(0, len(counted), 97):
+        assert counted.tgt_dict.decode(counted.targets[i].tolist()) == ours.tgt_dict.decode(ours.targets[i].tolist())
+
+
 def test_long_and_unbalanced_training_pairs_are_dropped_and_counted(standin, tmp_path):
     meta = run_prepare(standin, tmp_path / "out", "--vocab-size", "500", "--max-len", "60", "--max-ratio", "1.3")
     train = meta["splits"]["train"]
@@ -109,6 +127,7 @@ def test_a_pair_is_counted_by_the_first_filter_that_drops_it():
         (["--spm-model", "/no/such.model"], "--spm-model /no/such.model: no such file"),
         (["--spm-model", "__file__"], "not a SentencePiece model"),
         (["--vocab-from", "/no/such/dir"], "/no/such/dir: not a prepared data directory"),
+        (["--dict", "/no/such.txt"], "--dict: give the SentencePiece model its pieces come from with --spm-model"),
     ],
 )
 def test_bad_options_are_one_line_before_any_work(standin, tmp_path, capsys, extra, message):

@@ -47,6 +47,16 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return [f"{key} {shown(old, key)} -> {shown(new, key)}" for key in keys]
 
 
+def config_at(save_dir: Path, step: int) -> dict[str, Any]:
+    """The config a run trained its step `step` with: its stretch's, or config.json for a run from before
+    the history and a directory written without one (an import, an average)."""
+    history = save_dir / CONFIG_HISTORY
+    records = read_jsonl(history) if history.exists() else []
+    if not records:
+        return json.loads((save_dir / CONFIG_FILE).read_text())
+    return [record for record in records if record["from_step"] < step or record is records[0]][-1]["config"]
+
+
 def record_config(save_dir: Path, config: dict[str, Any], step: int) -> list[str]:
     """Writes config.json and the history for a launch that trains from `step` on with `config`; returns
     the settings that changed against the stretch before (empty for a new run)."""

@@ -1,0 +1,102 @@
+"""A checkpoint as one consolidated state dict: what DeepSpeed's zero_to_fp32.py promises, for fathom's runs.
+
+    python scripts/zero_to_fp32.py SAVE_DIR OUTPUT_DIR [--tag TAG] [--dtype fp32|fp16|bf16]
+    python SAVE_DIR/zero_to_fp32.py SAVE_DIR OUTPUT_DIR [--tag TAG]          # the same, from the run
+    python SAVE_DIR/zero_to_torch.py SAVE_DIR OUTPUT_DIR --dtype fp16 [--tag TAG]
+
+OUTPUT_DIR/pytorch_model.bin gets the whole model's weights as one state dict under fairseq's names
+(encoder.layers.N.self_attn.q_proj.weight, ..., a shared table under each of its names as fairseq saves
+it), loadable with torch.load(..., weights_only=True) and no DeepSpeed. They are the trained model's own,
+BranchNorm's or DeepNorm's scalings unfolded: for a plain fairseq checkpoint, scripts/convert_to_fairseq.py.
+
+DeepSpeed copies its own zero_to_fp32.py and zero_to_torch.py into every save_dir; they read the weights
+from mp_rank_00_model_states.pt, where a pipeline checkpoint has none (`module` is None: the weights are in
+the layer_*-model_states.pt files), and fail. fathom's saves write recovery_script.py there under both
+names instead (write_recovery_scripts), which runs this with DeepSpeed's arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import stat
+from pathlib import Path
+
+from common.errors import ConfigError, exit_on_config_error
+from common.files import save_file, unique_sibling, write_atomic
+from common.outputs import check_makeable
+from common.run_layout import checkpoint_dir
+from model.model_config import DTYPES
+from model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
+
+WEIGHTS = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into a save_dir
+# DeepSpeed's spellings of the output precision (zero_to_torch.py --dtype)
+DTYPE_NAMES = {**{name: name for name in DTYPES}, "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def parse_args(argv: list[str] | None, dtype_required: bool) -> argparse.Namespace:
+    """DeepSpeed's zero_to_fp32.py arguments (zero_to_torch.py's with `dtype_required`)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint_dir", help="train.save_dir of a run")
+    parser.add_argument("output_dir", help=f"directory to write {WEIGHTS} into (made if missing)")
+    parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: latest)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPE_NAMES), required=dtype_required, default=None if dtype_required else "fp32"
+    )
+    # DeepSpeed's options for what fathom does not write: refused in one line rather than ignored.
+    parser.add_argument("--max_shard_size", default=None, help="not supported: fathom writes one file")
+    parser.add_argument("--safe_serialization", action="store_true", help="not supported: fathom writes torch's format")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true", help="no effect: nothing is frozen")
+    parser.add_argument("-d", "--debug", action="store_true", help="no effect")
+    return parser.parse_args(argv)
+
+
+def check_supported(args: argparse.Namespace) -> None:
+    if args.max_shard_size is not None:
+        raise ConfigError(f"--max_shard_size: fathom writes the state dict as one file, {WEIGHTS}; leave it out")
+    if args.safe_serialization:
+        raise ConfigError(f"--safe_serialization: fathom writes torch's format ({WEIGHTS}); leave it out")
+
+
+def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[str, object]:
+    """Writes out/WEIGHTS whole or not at all (a file of that name is replaced); returns what it wrote."""
+    cfg = model_config(save_dir)
+    checkpoint = checkpoint_dir(save_dir, tag)
+    missing_layer_files(cfg, checkpoint)
+    check_makeable(out, "output_dir")
+    precision = DTYPES[DTYPE_NAMES[dtype]]
+    state = {
+        key: value.to(precision) if value.is_floating_point() else value
+        for key, value in fairseq_state_dict(load_reference(save_dir, checkpoint.name)).items()
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path, partial = out / WEIGHTS, unique_sibling(out / WEIGHTS)
+    try:
+        save_file(state, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    parameters = sum({value.data_ptr(): value.numel() for value in state.values()}.values())
+    return {"path": path, "checkpoint": checkpoint, "parameters": parameters, "dtype": DTYPE_NAMES[dtype]}
+
+
+def write_recovery_scripts(save_dir: str) -> None:
+    """What fathom's saves write where DeepSpeed would copy its zero_to_fp32.py and zero_to_torch.py:
+    recovery_script.py under both names, executable, as DeepSpeed leaves its own."""
+    text = Path(__file__).with_name("recovery_script.py").read_text()
+    for name in RECOVERY_SCRIPTS:
+        path = Path(save_dir) / name
+        write_atomic(path, text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def main(argv: list[str] | None = None, dtype_required: bool = False) -> None:
+    args = parse_args(argv, dtype_required)
+    with exit_on_config_error():
+        check_supported(args)
+        written = consolidate(Path(args.checkpoint_dir), args.tag, Path(args.output_dir), args.dtype)
+    print(
+        f"wrote {written['path']}: {written['checkpoint']}, {written['parameters']:,} parameters in "
+        f"{written['dtype']} under fairseq's names"
+    )

@@ -5,8 +5,9 @@
 
 One sentence a line, from --input or stdin, to --output or stdout, in input order. The checkpoint
 (any depth, any stage count) loads into the single-process model on the GPU if there is one
-(--device, --precision); sentences are batched by length. An empty line gives an empty line; a
-line longer than the model's positions is cut to fit, with one warning line naming it. With
+(--device, --precision); sentences are batched by length. A line that shows nothing (empty, blanks,
+zero-width characters) gives an empty line; a line longer than the model's positions is cut to fit,
+with one warning line naming it. With
 --reference, sacreBLEU's BLEU and chrF and the signature follow on stderr.
 """
 
@@ -30,7 +31,7 @@ from common.heap import keep_freed_blocks
 from common.outputs import check_writable_file
 from corpus.batches import length_batches, with_eos
 from corpus.dataset import PreparedData, check_vocab
-from corpus.text import decode_lines, read_lines
+from corpus.text import blank, decode_lines, read_lines
 from model.model_config import DTYPES
 from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
@@ -159,9 +160,10 @@ def encode(translator: Translator, lines: list[str]) -> list[torch.Tensor]:
 
 
 def translate_lines(translator: Translator, lines: list[str], progress: str | None) -> list[str]:
-    """Translations of lines in input order; an empty line stays empty and is not decoded."""
+    """Translations of lines in input order; a line that shows nothing (corpus.text.blank) gives an empty
+    line and is not decoded."""
     sources = encode(translator, lines)
-    todo = [i for i, line in enumerate(lines) if line.strip()]
+    todo = [i for i, line in enumerate(lines) if not blank(line)]
     found = translator.search([sources[i] for i in todo], progress) if todo else []
     translations = [""] * len(lines)
     for i, hypothesis in zip(todo, found, strict=True):

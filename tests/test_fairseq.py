@@ -4,6 +4,7 @@ environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,7 +25,8 @@ EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
 # Enough training for real (if poor) sentences, so equal hypotheses mean something.
 STEPS = (
-    "train.max_steps=100,train.save_interval=100,train.log_interval=100,optimizer.params.lr=0.003,"
+    "train.max_steps=100,train.save_interval=100,train.log_interval=100,train.valid_interval=100,"
+    "optimizer.params.lr=0.003,"
     "scheduler.params.warmup_max_lr=0.003,scheduler.params.warmup_num_steps=10,"
     "train_micro_batch_size_per_gpu=16,gradient_accumulation_steps=2"
 )
@@ -180,6 +182,34 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
         assert [theirs[i] for i in range(len(ours))] == ours, case
         distinct.update(ours)
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
+
+
+@pytest.mark.slow
+def test_fairseqs_criterion_gives_our_validation_loss(exported, runs, fairseq_bin, tmp_path):
+    """fairseq-validate's computation (its batches of the export's valid split, its label-smoothed
+    criterion, its reduce_metrics) gives the validation loss the training run logged at its last step:
+    the loss over all target tokens divided by their count, label-smoothed (fairseq's `loss`) and not
+    (`nll_loss`), in nats and in fairseq's bits."""
+    smoothing = {json.loads((runs / case / "config.json").read_text())["train"]["label_smoothing"] for case in EXPORTED}
+    assert len(smoothing) == 1
+    outputs = [arg for case in EXPORTED for arg in (str(exported[case]), str(tmp_path / f"{case}.json"))]
+    result = subprocess.run(
+        [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_validate.py"), str(*smoothing)]
+        + outputs,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for case in EXPORTED:
+        theirs = json.loads((tmp_path / f"{case}.json").read_text())
+        records = [json.loads(line) for line in (runs / case / "metrics.jsonl").read_text().splitlines()]
+        ours = [r for r in records if "valid_loss" in r][-1]
+        assert ours["step"] == 100, case
+        assert ours["valid_loss"] == pytest.approx(theirs["loss"] * math.log(2), abs=TOLERANCE), case
+        assert ours["valid_nll_loss"] == pytest.approx(theirs["nll_loss"] * math.log(2), abs=TOLERANCE), case
+        assert ours["valid_loss_bits"] == pytest.approx(theirs["loss"], abs=TOLERANCE), case
+        assert ours["valid_nll_loss_bits"] == pytest.approx(theirs["nll_loss"], abs=TOLERANCE), case
 
 
 @pytest.mark.slow

@@ -18,8 +18,10 @@ from corpus.batches import collate
 from corpus.dataset import BinarizedCorpus
 from model.fold import fold_model
 from model.norms import SCHEMES
+from model.search import SearchConfig
 from model.trained import load_reference
 from tests.helpers import ROOT, edit_prepared, launch
+from tools.translation_speed import search_flags
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -44,8 +46,6 @@ CASES = {
     "model.ffn_dim=32,model.attention_heads=2,train.max_steps=1",
 }
 TOLERANCE = 1e-4  # the issue's bound on log-probability differences against fairseq
-# Barely trained models can repeat themselves up to the length limit: 40 pieces (not 200) bounds the time.
-MAX_LEN = "40"
 
 
 def convert_to(run: Path, data: Path, out: Path, *extra: str) -> None:
@@ -123,65 +123,58 @@ def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_s
     assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
 
 
+def fairseq_generate(fairseq_bin: Path, export: Path, subset: str, search: SearchConfig) -> list[tuple[str, str]]:
+    """(source pieces, hypothesis pieces) of every sentence of the split, in its order, from fairseq-generate."""
+    result = subprocess.run(
+        [str(fairseq_bin / "fairseq-generate"), str(export), "--path", str(export / "checkpoint.pt")]
+        + ["--dataset-impl", "raw", "--gen-subset", subset, "--cpu", *search_flags(search)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sources, hypotheses = {}, {}
+    for line in result.stdout.split("\n"):  # a hypothesis may hold U+2028
+        if line.startswith(("S-", "H-")):
+            index, *_, pieces = line.split("\t")
+            (sources if line[0] == "S" else hypotheses)[int(index[2:])] = pieces
+    assert sorted(sources) == sorted(hypotheses) == list(range(len(sources)))
+    return [(sources[i], hypotheses[i]) for i in range(len(sources))]
+
+
 @pytest.mark.slow
 def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
-    """fairseq-generate (beam 4, lenpen 0.6) on the exported test split = our generate.py, sentence by sentence."""
+    """fairseq-generate on the exported test split (the valid split too for one scheme) = our generate.py
+    with its default settings, sentence by sentence, fairseq given the same settings. The output limit,
+    1.2 x the longest source of the batch + 10, cuts hypotheses of these barely trained models, so which
+    sentences share a batch decides them: 10 sentences a batch, which fairseq makes batches of 8
+    (--required-batch-size-multiple 8), in its order (source length, then target length; a split not
+    named test shuffled first with its --seed 1)."""
     detok = spm.SentencePieceProcessor(model_file=str(multi30k_slice / "spm.model"))
-    distinct = set()
+    search = SearchConfig(batch_size=10)
+    distinct, over_own_limit = set(), 0
     for case in EXPORTED:
-        ours_file = tmp_path / f"{case}.ours.txt"
-        result = subprocess.run(
-            [
-                "python",
-                str(ROOT / "scripts" / "generate.py"),
-                "--checkpoint",
-                str(runs / case),
-                "--data",
-                str(multi30k_slice),
-            ]
-            + [
-                "--subset",
-                "test",
-                "--beam",
-                "4",
-                "--lenpen",
-                "0.6",
-                "--max-len-a",
-                "0",
-                "--max-len-b",
-                MAX_LEN,
-                "--output",
-                str(ours_file),
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        result = subprocess.run(
-            [
-                str(fairseq_bin / "fairseq-generate"),
-                str(exported[case]),
-                "--path",
-                str(exported[case] / "checkpoint.pt"),
-            ]
-            + ["--dataset-impl", "raw", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--cpu"]
-            + ["--batch-size", "64", "--max-len-a", "0", "--max-len-b", MAX_LEN],
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        theirs = {}
-        for line in result.stdout.splitlines():
-            if line.startswith("H-"):
-                index, _, pieces = line.split("\t")
-                theirs[int(index[2:])] = detok.decode_pieces(pieces.split())
-        ours = ours_file.read_text(encoding="utf-8").splitlines()
-        assert len(theirs) == len(ours) == 50, case
-        assert sum(map(bool, ours)) > 40, case
-        assert [theirs[i] for i in range(len(ours))] == ours, case
-        distinct.update(ours)
+        for subset in ["test", "valid"] if case == EXPORTED[0] else ["test"]:
+            ours_file = tmp_path / f"{case}.{subset}.txt"
+            result = subprocess.run(
+                ["python", str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(runs / case)]
+                + ["--data", str(multi30k_slice), "--subset", subset, "--batch-size", str(search.batch_size)]
+                + ["--output", str(ours_file)],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            theirs = fairseq_generate(fairseq_bin, exported[case], subset, search)
+            ours = ours_file.read_text(encoding="utf-8").splitlines()
+            assert len(theirs) == len(ours) == {"test": 50, "valid": 60}[subset], case
+            assert sum(map(bool, ours)) > 40, case
+            assert [detok.decode_pieces(hypothesis.split()) for _, hypothesis in theirs] == ours, (case, subset)
+            distinct.update(ours)
+            # longer than its own source allows: the batch's longest source set its limit
+            own_limit = [int(search.max_len_a * (len(src.split()) + 1) + search.max_len_b) for src, _ in theirs]
+            over_own_limit += sum(len(hyp.split()) > limit for (_, hyp), limit in zip(theirs, own_limit, strict=True))
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
+    assert over_own_limit > 0
 
 
 @pytest.mark.slow

@@ -49,11 +49,14 @@ OPTIMIZER_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_s
 DATA_POSITION = "data_position"  # micro-batches read and their order (pipeline/checkpoint/data_position.py)
 SCHEDULE_OFFSET = "schedule_offset"  # the step train.init_from's weights started at (pipeline/train.py)
 BEST_VALUE = "best_valid_{metric}"  # the best validation value so far (pipeline/validation.py)
+# True: a best validation loss is per target token; without it, a fathom before that saved the mean of
+# the validation micro-batches' means.
+LOSS_PER_TOKEN = "valid_loss_per_token"
 
 
 def client_state(best: dict[str, float], schedule_offset: int, data_position: dict[str, Any]) -> dict[str, Any]:
     """What every checkpoint keeps beside DeepSpeed's own state; `best` is {BEST_VALUE: value}."""
-    return {**best, SCHEDULE_OFFSET: schedule_offset, DATA_POSITION: data_position}
+    return {**best, LOSS_PER_TOKEN: True, SCHEDULE_OFFSET: schedule_offset, DATA_POSITION: data_position}
 
 
 def new_manifest(

@@ -114,6 +114,30 @@ def length_batches(sources: list[torch.Tensor], indices: Iterable[int], size: in
     return [ordered[start : start + size] for start in range(0, len(ordered), size)]
 
 
+# What decides fairseq-generate's batches besides --batch-size: its defaults --seed 1 and
+# --required-batch-size-multiple 8.
+FAIRSEQ_SEED = 1
+FAIRSEQ_BATCH_MULTIPLE = 8
+
+
+def fairseq_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, size: int, shuffled: bool) -> list[list[int]]:
+    """The batches, lists of pair indices, that fairseq-generate 0.12.2 decodes a split in with --batch-size
+    `size` (no --max-tokens): LanguagePairDataset.ordered_indices sorts the pairs by source length, ties by
+    target length, then by their place in a permutation drawn with the seed (`shuffled`: the translation
+    task shuffles every split not named test) or by index; batch_by_size cuts that order into runs of
+    `size` pairs, or of the multiple of 8 below it, and the rest into a multiple of 8 and what remains.
+    The output limit (a x the batch's longest source + b) depends on the batch, so only these batches give
+    fairseq's hypotheses wherever a hypothesis reaches it."""
+    count, multiple = len(src_lengths), FAIRSEQ_BATCH_MULTIPLE
+    order = np.random.RandomState(FAIRSEQ_SEED).permutation(count) if shuffled else np.arange(count)
+    order = order[np.argsort(tgt_lengths[order], kind="stable")]
+    order = order[np.argsort(src_lengths[order], kind="stable")]
+    step = size if size < multiple else size - size % multiple
+    rest = count % step
+    sizes = [step] * (count // step) + [part for part in (rest - rest % multiple, rest % multiple) if part]
+    return [batch.tolist() for batch in np.split(order, np.cumsum(sizes)[:-1])]
+
+
 def collate(pairs: list[tuple[torch.Tensor, torch.Tensor]], pad_to_multiple: int = 1) -> MicroBatch:
     """fairseq's layout: source and target end in eos; the decoder input is eos + target[:-1]. Each side
     is padded to a multiple of `pad_to_multiple` tokens (data.pad_to_multiple)."""

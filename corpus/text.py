@@ -7,6 +7,7 @@ misalign the two sides of a parallel corpus).
 from __future__ import annotations
 
 import gzip
+import unicodedata
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,3 +56,9 @@ def read_lines(path: Path) -> list[str]:
     """Every line of a plain or gzipped file as text: for files of a few thousand lines (references,
     sentences to translate); a corpus is streamed (raw_lines)."""
     return [decode_line(raw, path, lineno) for lineno, raw in enumerate(raw_lines(path), 1)]
+
+
+def blank(line: str) -> bool:
+    """Whether a line shows nothing: only whitespace and invisible format characters (Unicode category
+    Cf: zero-width spaces and joiners, the word joiner, bidi marks, a byte order mark)."""
+    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in line)

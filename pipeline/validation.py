@@ -3,6 +3,7 @@ through the stages (pipeline/decode.py), and the best value so far, which picks 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,23 +11,58 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_format import BEST_VALUE, model_states
+from common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
 from common.heap import heap_for_decoding
 from common.run_layout import TRANSLATIONS, linked_best
 from corpus.batches import MicroBatch, eval_batches
+from model.loss import token_losses
 from pipeline.config.run_config import RunConfig, build_corpus
 from pipeline.decode import bleu_set, valid_bleu
 from pipeline.safety.watchdog import Watchdog
 
 
-def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch]) -> float:
-    """Mean loss over the validation micro-batches, each data-parallel replica taking a share."""
+class LossSums:
+    """The pipeline's loss function while it validates. It returns each micro-batch's training loss (its
+    mean, which DeepSpeed's eval_batch and monitors read as ever) and keeps, for the validation loss, the
+    micro-batch's sums over its target tokens: label-smoothed loss, nll, token count."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        smoothed, nll = token_losses(logits, target, self.smoothing)
+        self.sums.append(torch.stack([smoothed.double().sum(), nll.double().sum(), nll.new_tensor(len(nll)).double()]))
+        return smoothed.mean()
+
+    def total(self, device: torch.device) -> torch.Tensor:
+        """The sums over every micro-batch so far; zeros where none was scored (a stage before the last)."""
+        return (
+            torch.stack(self.sums).sum(0).to(device)
+            if self.sums
+            else torch.zeros(3, dtype=torch.float64, device=device)
+        )
+
+
+def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch], smoothing: float) -> dict[str, float]:
+    """The validation loss as fairseq-validate computes it: summed over every target token of `batches`
+    (eos included, pads not) and divided by their number, label-smoothed (`valid_loss`, fairseq's `loss`)
+    and not (`valid_nll_loss`), in nats and in bits (fairseq prints bits). Each data-parallel replica
+    scores every n-th micro-batch; the last stages' sums add up over the whole world."""
     grid = engine.grid
     mine = batches[grid.get_data_parallel_rank() :: grid.get_data_parallel_world_size()]
-    loss = engine.eval_batch(iter(mine), num_micro_batches=len(mine)) if mine else torch.tensor(0.0)
-    total = torch.tensor([loss.item() * len(mine), float(len(mine))], device=engine.device)
-    dist.all_reduce(total, group=grid.get_data_parallel_group())
-    return (total[0] / total[1]).item()
+    sums = LossSums(smoothing)
+    training_loss, engine.module.loss_fn = engine.module.loss_fn, sums
+    try:
+        if mine:
+            engine.eval_batch(iter(mine), num_micro_batches=len(mine), bcast_loss=False)
+    finally:
+        engine.module.loss_fn = training_loss
+    total = sums.total(engine.device)
+    dist.all_reduce(total)
+    smoothed, nll, tokens = total.tolist()
+    nats = {"valid_loss": smoothed / tokens, "valid_nll_loss": nll / tokens}
+    return {**nats, **{f"{key}_bits": value / math.log(2) for key, value in nats.items()}}
 
 
 class Best:
@@ -38,9 +74,21 @@ class Best:
     def __init__(self, metric: str, save_dir: Path):
         self.metric, self.key = metric, BEST_VALUE.format(metric=metric)
         self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
+        self.unit = " nats" if metric == "loss" else ""
         self.tag = linked_best(save_dir)
-        saved = None if self.tag is None else model_states(save_dir / self.tag)
-        self.value = (saved or {}).get(self.key, self.sign * float("inf"))
+        saved = (None if self.tag is None else model_states(save_dir / self.tag)) or {}
+        self.value = saved.get(self.key, self.sign * float("inf"))
+        self.mean_of_means = metric == "loss" and self.key in saved and not saved.get(LOSS_PER_TOKEN)
+
+    def warning(self) -> str | None:
+        """What a run resuming with a best loss from before losses were per target token must know."""
+        if not self.mean_of_means:
+            return None
+        return (
+            f"{self.tag}'s validation loss {self.value:.4f} is a mean of micro-batch means (fathom before "
+            "validation losses were per target token), not comparable with this run's; the first validation "
+            f"below it replaces {self.tag}"
+        )
 
     def update(self, value: float) -> bool:
         """Whether `value` is the new best."""
@@ -66,7 +114,7 @@ class Validation:
 
     def __call__(self, step: int) -> dict[str, Any]:
         self.watchdog.progress(f"validation after step {step}")
-        record = {"step": step, "valid_loss": validate(self.engine, self.batches)}
+        record = {"step": step, **validate(self.engine, self.batches, self.cfg.train.label_smoothing)}
         if self.bleu_set is not None:
             self.watchdog.progress(f"validation BLEU after step {step}")
             output = Path(self.cfg.train.save_dir) / TRANSLATIONS / f"valid-step{step}.txt"
@@ -79,9 +127,14 @@ class Validation:
 
 
 def validation_line(record: dict[str, Any], best: Best) -> str:
+    """The losses in nats, fairseq's bits beside them: `loss` label-smoothed, `nll_loss` not."""
+    losses = " | ".join(
+        f"valid {name} {record[f'valid_{name}']:.4f} nats ({record[f'valid_{name}_bits']:.4f} bits)"
+        for name in ("loss", "nll_loss")
+    )
     bleu = (
         f" | valid bleu {record['valid_bleu']:.2f} ({record['valid_bleu_seconds']:.1f} s)"
         if "valid_bleu" in record
         else ""
     )
-    return f"step {record['step']} | valid loss {record['valid_loss']:.4f}{bleu} | best {best.metric} {best.value:.4f}"
+    return f"step {record['step']} | {losses}{bleu} | best {best.metric} {best.value:.4f}{best.unit}"

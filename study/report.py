@@ -229,7 +229,7 @@ def loss_curves(spec: StudySpec, out: Path) -> None:
         ax.set_title(f"{depth}L-{depth}L")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("validation loss (label-smoothed)")
+    axes[0][0].set_ylabel("validation loss (label-smoothed, nats per token)")
     if drawn := [ax for ax in axes[0] if ax.lines]:
         drawn[-1].legend(fontsize=7)
     fig.tight_layout()

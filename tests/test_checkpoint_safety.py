@@ -15,15 +15,25 @@ from typing import Any
 import pytest
 import torch
 
-from common.checkpoint_format import MANIFEST, deepspeed_state_types, file_damage, load_file, read_manifest
+from common.checkpoint_format import (
+    LOSS_PER_TOKEN,
+    MANIFEST,
+    MODEL_STATES,
+    client_state,
+    deepspeed_state_types,
+    file_damage,
+    load_file,
+    read_manifest,
+)
 from common.errors import ConfigError
 from common.jsonl import read_jsonl
-from common.run_layout import LATEST, latest_tag, linked_best
+from common.run_layout import BEST, LATEST, latest_tag, linked_best
 from convert.average import main as average_main
 from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.train import main
+from pipeline.validation import Best
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
 from translation.generate import main as generate_main
 from translation.translate import main as translate_main
@@ -489,10 +499,34 @@ def test_resume_from_an_older_checkpoint_keeps_the_better_best(multi30k_slice, t
     resumed = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=10", *cadence),
                      "--resume")  # fmt: skip
     assert resumed.returncode == 0
-    assert f"fathom: best valid loss so far {valid[12]:.4f} (best_global_step12)" in resumed.stdout
+    assert f"fathom: best valid loss so far {valid[12]:.4f} nats (best_global_step12)" in resumed.stdout
+    assert "warning" not in resumed.stderr  # its best loss is per target token, as this run's
     assert linked_best(run) == "best_global_step12" and read_manifest(run / "best_global_step12")
     assert [r["best_valid_loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("step") in (8, 10)
             and "valid_loss" in r] == [valid[12]] * 2  # fmt: skip
+
+
+def test_a_best_loss_from_before_per_token_validation_is_named_on_resume(tmp_path):
+    """A `best` checkpoint of a fathom whose validation loss was the mean of the micro-batches' means (a
+    short micro-batch weighed as much as a full one) holds a value a resumed run's per-token losses
+    cannot be compared with: the run says so; a best loss saved per target token is compared silently."""
+    for per_token in (False, True):
+        run = tmp_path / f"per_token_{per_token}"
+        (run / "best_global_step4").mkdir(parents=True)
+        state = {"best_valid_loss": 4.1096, **({LOSS_PER_TOKEN: True} if per_token else {})}
+        torch.save(state, run / "best_global_step4" / MODEL_STATES)
+        (run / BEST).symlink_to("best_global_step4")
+        best = Best("loss", run)
+        assert best.value == 4.1096
+        if per_token:
+            assert best.warning() is None
+        else:
+            assert best.warning() == (
+                "best_global_step4's validation loss 4.1096 is a mean of micro-batch means (fathom before "
+                "validation losses were per target token), not comparable with this run's; the first "
+                "validation below it replaces best_global_step4"
+            )
+    assert client_state({"best_valid_loss": 3.8366}, 0, {})[LOSS_PER_TOKEN] is True  # what checkpoints now hold
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from common.errors import ConfigError
-from corpus.batches import BatchSize, MicroBatches, epoch_batches
+from corpus.batches import BatchSize, MicroBatches, epoch_batches, fairseq_batches
 from corpus.dataset import BinarizedCorpus, Dictionary, file_record
 from corpus.prepare import main as prepare_main
 from model.model_config import EOS, NUM_SPECIAL, PAD
@@ -251,6 +251,25 @@ def test_token_batches_cover_the_epoch_once_within_budget(lengths):
     spread = [lengths[b].max() - lengths[b].min() for b in epoch_batches(lengths, size, seed=3, epoch=0)]
     assert np.mean(spread) < 3  # grouped by length
     assert epoch_batches(lengths, size, 3, 0)[0].tolist() != epoch_batches(lengths, size, 3, 1)[0].tolist()
+
+
+def test_generation_batches_are_fairseq_generates():
+    """fairseq-generate's batches of a split, as fairseq 0.12.2's LanguagePairDataset.ordered_indices and
+    batch_by_size made them from these lengths (--batch-size 10 and 20, its defaults --seed 1 and
+    --required-batch-size-multiple 8): by source length, ties by target length and then by index in the
+    split named test, by a permutation drawn with the seed in any other; runs of the multiple of 8 below
+    the batch size, the rest cut into a multiple of 8 and what remains. generate.py batched 10 by 10,
+    ties by index, so a sentence whose hypothesis reached the output limit (a x the batch's longest
+    source + b) could get another limit than fairseq's."""
+    src = np.array([5, 3, 5, 5, 2, 3, 5, 4, 4, 5, 3, 2, 5, 4, 5, 5, 3, 4, 5, 5, 4, 5, 2, 5, 3])
+    tgt = np.array([6, 3, 4, 6, 2, 3, 4, 5, 4, 7, 3, 2, 6, 4, 4, 6, 3, 4, 5, 4, 4, 6, 2, 4, 3])
+    test = [[4, 11, 22, 1, 5, 10, 16, 24], [8, 13, 17, 20, 7, 2, 6, 14], [19, 23, 18, 0, 3, 12, 15, 21], [9]]
+    other = [[4, 22, 11, 10, 1, 16, 24, 5], [13, 17, 20, 8, 7, 14, 19, 2], [6, 23, 18, 3, 21, 0, 15, 12], [9]]
+    assert fairseq_batches(src, tgt, 10, shuffled=False) == test
+    assert fairseq_batches(src, tgt, 10, shuffled=True) == other
+    assert fairseq_batches(src, tgt, 20, shuffled=False) == [test[0] + test[1], *test[2:]]
+    assert fairseq_batches(src, tgt, 20, shuffled=True) == [other[0] + other[1], *other[2:]]
+    assert fairseq_batches(src, tgt, 5, shuffled=False) == [sum(test, [])[i : i + 5] for i in range(0, 25, 5)]
 
 
 def test_token_budget_resumes_mid_epoch(multi30k_slice):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,17 +22,20 @@ from corpus.prepare import main as prepare_main
 from model.fold import fold_model
 from model.model_config import ModelConfig
 from model.norms import SCHEMES
+from model.search import SearchConfig
 from model.trained import load_reference
 from model.transformer import Transformer
 from pipeline.preflight import check_run
 from pipeline.train import parse_args as parse_train_args
 from tests.helpers import ROOT, edit_prepared, launch, write_slice
+from tools.translation_speed import search_flags
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
 # Enough training for real (if poor) sentences, so equal hypotheses mean something.
 STEPS = (
-    "train.max_steps=100,train.save_interval=100,train.log_interval=100,optimizer.params.lr=0.003,"
+    "train.max_steps=100,train.save_interval=100,train.log_interval=100,train.valid_interval=100,"
+    "optimizer.params.lr=0.003,"
     "scheduler.params.warmup_max_lr=0.003,scheduler.params.warmup_num_steps=10,"
     "train_micro_batch_size_per_gpu=16,gradient_accumulation_steps=2"
 )
@@ -51,8 +55,6 @@ CASES = {
     "model.ffn_dim=32,model.attention_heads=2,train.max_steps=1",
 }
 TOLERANCE = 1e-4  # the issue's bound on log-probability differences against fairseq
-# Barely trained models can repeat themselves up to the length limit: 40 pieces (not 200) bounds the time.
-MAX_LEN = "40"
 
 
 def convert_to(run: Path, data: Path, out: Path, *extra: str) -> None:
@@ -130,65 +132,87 @@ def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_s
     assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
 
 
+def fairseq_generate(fairseq_bin: Path, export: Path, subset: str, search: SearchConfig) -> list[tuple[str, str]]:
+    """(source pieces, hypothesis pieces) of every sentence of the split, in its order, from fairseq-generate."""
+    result = subprocess.run(
+        [str(fairseq_bin / "fairseq-generate"), str(export), "--path", str(export / "checkpoint.pt")]
+        + ["--dataset-impl", "raw", "--gen-subset", subset, "--cpu", *search_flags(search)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    sources, hypotheses = {}, {}
+    for line in result.stdout.split("\n"):  # a hypothesis may hold U+2028
+        if line.startswith(("S-", "H-")):
+            index, *_, pieces = line.split("\t")
+            (sources if line[0] == "S" else hypotheses)[int(index[2:])] = pieces
+    assert sorted(sources) == sorted(hypotheses) == list(range(len(sources)))
+    return [(sources[i], hypotheses[i]) for i in range(len(sources))]
+
+
 @pytest.mark.slow
 def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, fairseq_bin, tmp_path):
-    """fairseq-generate (beam 4, lenpen 0.6) on the exported test split = our generate.py, sentence by sentence."""
+    """fairseq-generate on the exported test split (the valid split too for one scheme) = our generate.py
+    with its default settings, sentence by sentence, fairseq given the same settings. The output limit,
+    1.2 x the longest source of the batch + 10, cuts hypotheses of these barely trained models, so which
+    sentences share a batch decides them: 10 sentences a batch, which fairseq makes batches of 8
+    (--required-batch-size-multiple 8), in its order (source length, then target length; a split not
+    named test shuffled first with its --seed 1)."""
     detok = spm.SentencePieceProcessor(model_file=str(multi30k_slice / "spm.model"))
-    distinct = set()
+    search = SearchConfig(batch_size=10)
+    distinct, over_own_limit = set(), 0
     for case in EXPORTED:
-        ours_file = tmp_path / f"{case}.ours.txt"
-        result = subprocess.run(
-            [
-                "python",
-                str(ROOT / "scripts" / "generate.py"),
-                "--checkpoint",
-                str(runs / case),
-                "--data",
-                str(multi30k_slice),
-            ]
-            + [
-                "--subset",
-                "test",
-                "--beam",
-                "4",
-                "--lenpen",
-                "0.6",
-                "--max-len-a",
-                "0",
-                "--max-len-b",
-                MAX_LEN,
-                "--output",
-                str(ours_file),
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        result = subprocess.run(
-            [
-                str(fairseq_bin / "fairseq-generate"),
-                str(exported[case]),
-                "--path",
-                str(exported[case] / "checkpoint.pt"),
-            ]
-            + ["--dataset-impl", "raw", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--cpu"]
-            + ["--batch-size", "64", "--max-len-a", "0", "--max-len-b", MAX_LEN],
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        theirs = {}
-        for line in result.stdout.splitlines():
-            if line.startswith("H-"):
-                index, _, pieces = line.split("\t")
-                theirs[int(index[2:])] = detok.decode_pieces(pieces.split())
-        ours = ours_file.read_text(encoding="utf-8").splitlines()
-        assert len(theirs) == len(ours) == 50, case
-        assert sum(map(bool, ours)) > 40, case
-        assert [theirs[i] for i in range(len(ours))] == ours, case
-        distinct.update(ours)
+        for subset in ["test", "valid"] if case == EXPORTED[0] else ["test"]:
+            ours_file = tmp_path / f"{case}.{subset}.txt"
+            result = subprocess.run(
+                ["python", str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(runs / case)]
+                + ["--data", str(multi30k_slice), "--subset", subset, "--batch-size", str(search.batch_size)]
+                + ["--output", str(ours_file)],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
+            assert result.returncode == 0, result.stderr[-3000:]
+            theirs = fairseq_generate(fairseq_bin, exported[case], subset, search)
+            ours = ours_file.read_text(encoding="utf-8").splitlines()
+            assert len(theirs) == len(ours) == {"test": 50, "valid": 60}[subset], case
+            assert sum(map(bool, ours)) > 40, case
+            assert [detok.decode_pieces(hypothesis.split()) for _, hypothesis in theirs] == ours, (case, subset)
+            distinct.update(ours)
+            # longer than its own source allows: the batch's longest source set its limit
+            own_limit = [int(search.max_len_a * (len(src.split()) + 1) + search.max_len_b) for src, _ in theirs]
+            over_own_limit += sum(len(hyp.split()) > limit for (_, hyp), limit in zip(theirs, own_limit, strict=True))
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
+    assert over_own_limit > 0
+
+
+def last_validation(run: Path) -> dict:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [record for record in records if "valid_loss" in record][-1]
+
+
+@pytest.mark.slow
+def test_fairseqs_criterion_gives_our_validation_loss(exported, runs, fairseq_bin, tmp_path):
+    """fairseq-validate's computation (its batches of the export's valid split, the label-smoothed
+    criterion the export records, its reduce_metrics) gives the validation loss the training run logged
+    at its last step: the loss over all target tokens divided by their count, label-smoothed (fairseq's
+    `loss`) and not (`nll_loss`), in nats and in fairseq's bits; unrounded, where fairseq-validate prints
+    3 decimals (test_fairseq_commands_run_on_an_export runs the command itself)."""
+    outputs = [arg for case in EXPORTED for arg in (str(exported[case]), str(tmp_path / f"{case}.json"))]
+    result = subprocess.run(
+        [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_validate.py"), *outputs],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    for case in EXPORTED:
+        theirs, ours = json.loads((tmp_path / f"{case}.json").read_text()), last_validation(runs / case)
+        assert ours["step"] == 100, case
+        assert ours["valid_loss"] == pytest.approx(theirs["loss"] * math.log(2), abs=TOLERANCE), case
+        assert ours["valid_nll_loss"] == pytest.approx(theirs["nll_loss"] * math.log(2), abs=TOLERANCE), case
+        assert ours["valid_loss_bits"] == pytest.approx(theirs["loss"], abs=TOLERANCE), case
+        assert ours["valid_nll_loss_bits"] == pytest.approx(theirs["nll_loss"], abs=TOLERANCE), case
 
 
 def raw_sentences(data: Path, out: Path, lines: int = 8) -> Path:
@@ -212,10 +236,11 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     """The export works in every fairseq command a user runs on a trained model (fairseq-generate:
     test_fairseq_generate_gives_our_hypotheses): fairseq-interactive and TransformerModel.from_pretrained
     translate raw text exactly as our translate.py does, and fairseq-validate scores the exported valid split
-    with the run's criterion (it failed with "Key 'criterion' is not in struct": the export's cfg had only
-    the model and the task)."""
+    with the run's criterion to the validation loss the run logged (it failed with "Key 'criterion' is not
+    in struct": the export's cfg had only the model and the task)."""
     export, source = exported["post_ln"], raw_sentences(multi30k_slice, tmp_path / "input.de")
-    search = ["--beam", "4", "--lenpen", "0.6", "--max-len-a", "0", "--max-len-b", MAX_LEN]
+    # a limit of its own for each sentence, so that batching decides nothing (fairseq-interactive: one a batch)
+    search = search_flags(SearchConfig(beam=4, lenpen=0.6, max_len_a=0, max_len_b=40, batch_size=1))
     ours = subprocess.run(
         ["python", str(ROOT / "scripts" / "translate.py"), "--checkpoint", str(runs / "post_ln"), "--data",
          str(multi30k_slice), "--input", str(source), *search],
@@ -251,9 +276,9 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     )  # fmt: skip
     [line] = [line for line in validate.splitlines() if "valid on 'valid' subset" in line]
     scores = dict(field.strip().split(" ", 1) for field in line.split(" | ")[1:] if " " in field.strip())
-    loss, nll_loss = float(scores["loss"]), float(scores["nll_loss"])  # bits per target token
-    assert 0 < nll_loss < loss < 2 * nll_loss, line  # smoothed, per token (per sentence it is ~10x larger)
-    print(f"fairseq-validate on the post_ln export: loss {loss} nll_loss {nll_loss} (bits per token)")
+    logged = last_validation(runs / "post_ln")  # in bits per target token, as fairseq prints: 3 decimals
+    assert float(scores["loss"]) == pytest.approx(logged["valid_loss_bits"], abs=5e-4 + TOLERANCE), line
+    assert float(scores["nll_loss"]) == pytest.approx(logged["valid_nll_loss_bits"], abs=5e-4 + TOLERANCE), line
 
 
 @pytest.mark.slow

@@ -381,6 +381,20 @@ def test_bf16_pipeline_trains(tmp_path):
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
+def single_process_valid_loss(model, cfg, smoothing=None) -> tuple[float, float]:
+    """(loss per target token, mean of the validation micro-batches' mean losses) of `model` on the run's
+    validation micro-batches, label-smoothed as the run's training loss unless `smoothing` is given."""
+    smoothing = cfg.train.label_smoothing if smoothing is None else smoothing
+    sums, means, tokens = 0.0, [], 0
+    with torch.no_grad():
+        for (src, prev), target in eval_batches(build_corpus(cfg, "valid"), cfg.batch_size):
+            mean = label_smoothed_cross_entropy(model(src, prev), target, smoothing).item()
+            count = int(target.ne(PAD).sum())
+            sums, tokens = sums + mean * count, tokens + count
+            means.append(mean)
+    return sums / tokens, sum(means) / len(means)
+
+
 def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     """Token batches through 2 stages, validation between training steps, best checkpoint, beam search."""
     save = tmp_path / "run"
@@ -394,15 +408,18 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     assert [r["step"] for r in valid] == [4, 8] and all(math.isfinite(r["valid_loss"]) for r in valid)
     assert valid[-1]["best_valid_loss"] == min(r["valid_loss"] for r in valid)
     assert (save / "best").is_dir() and (save / "latest").read_text().strip() == "global_step8"
-    # The best checkpoint, loaded into the single-process model (alpha at its step), scores the same.
+    # The best checkpoint, loaded into the single-process model (alpha at its step), scores the same,
+    # per target token: the validation micro-batches differ in tokens, so a mean of their means differs.
     cfg = load_config(ROOT / "ds_configs" / "default.json", [f"train.save_dir={save}", *overrides], world_size=2)
     model = load_reference(save, "best")
-    with torch.no_grad():
-        losses = [
-            label_smoothed_cross_entropy(model(src, prev), target).item()
-            for (src, prev), target in eval_batches(build_corpus(cfg, "valid"), cfg.batch_size)
-        ]
-    assert sum(losses) / len(losses) == pytest.approx(valid[-1]["best_valid_loss"], abs=1e-5)
+    per_token, mean_of_means = single_process_valid_loss(model, cfg)
+    assert abs(per_token - mean_of_means) > 1e-3
+    best = next(r for r in valid if r["valid_loss"] == valid[-1]["best_valid_loss"])
+    assert best["valid_loss"] == pytest.approx(per_token, abs=1e-5)
+    assert best["valid_loss_bits"] == pytest.approx(per_token / math.log(2), abs=1e-5)
+    nll, _ = single_process_valid_loss(model, cfg, smoothing=0.0)
+    assert best["valid_nll_loss"] == pytest.approx(nll, abs=1e-5) and abs(nll - per_token) > 1e-3
+    assert best["valid_nll_loss_bits"] == pytest.approx(nll / math.log(2), abs=1e-5)
 
     output = tmp_path / "hyps.txt"
     args = ["--checkpoint", str(save), "--tag", "best", "--data", str(multi30k_slice), "--subset", "test"]
@@ -437,6 +454,10 @@ def test_validation_bleu_keeps_the_best_checkpoint_and_equals_generate(tmp_path,
     assert valid[-1]["best_valid_bleu"] == max(r["valid_bleu"] for r in valid)
     best_step = next(r["step"] for r in valid if r["valid_bleu"] == valid[-1]["best_valid_bleu"])
     assert (save / "best").resolve().name == f"best_global_step{best_step}"
+    # the replicas' shares of the validation loss add up to the single-process model's, per target token
+    cfg = load_config(ROOT / "ds_configs" / "default.json", [f"train.save_dir={save}", *overrides], world_size=2)
+    per_token, _ = single_process_valid_loss(load_reference(save, "best"), cfg)
+    assert next(r["valid_loss"] for r in valid if r["step"] == best_step) == pytest.approx(per_token, abs=1e-5)
 
     output = tmp_path / "valid.txt"
     args = ["--checkpoint", str(save), "--tag", "best", "--data", str(multi30k_slice), "--subset", "valid"]

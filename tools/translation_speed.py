@@ -44,6 +44,7 @@ from corpus.dataset import BinarizedCorpus
 from model.full_recompute_search import full_recompute_search
 from model.model_config import NUM_SPECIAL, ModelConfig
 from model.search import SearchConfig, beam_search
+from translation.generate import split_batches
 from translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
 
 SYSTEMS = ("incremental", "full", "fairseq")
@@ -67,13 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Fathom:
     """A search of ours, in this process."""
 
-    def __init__(self, translator: Translator, sources: list[torch.Tensor], search: SearchFn | None):
-        self.translator, self.sources = translator, sources
+    def __init__(
+        self, translator: Translator, sources: list[torch.Tensor], batches: list[list[int]], search: SearchFn | None
+    ):
+        self.translator, self.sources, self.batches = translator, sources, batches
         self.options = {} if search is None else {"search": search}
 
     def __call__(self) -> tuple[float, list[str]]:
         tick = time.perf_counter()
-        found = self.translator.search(self.sources, **self.options)
+        found = self.translator.search(self.sources, self.batches, **self.options)
         seconds = time.perf_counter() - tick
         return seconds, [self.translator.detokenize(h) for h in found]
 
@@ -136,10 +139,11 @@ def run(args: argparse.Namespace) -> dict:
     corpus = BinarizedCorpus(args.data, args.subset)
     translator = Translator(args, search_cfg)
     sources = [corpus.sources[i] for i in range(min(args.sentences or len(corpus), len(corpus)))]
+    batches = split_batches(corpus, len(sources), search_cfg.batch_size)  # fairseq-generate's
     with tempfile.TemporaryDirectory() as workdir:
         runners = {
-            "incremental": lambda: Fathom(translator, sources, None),
-            "full": lambda: Fathom(translator, sources, full_recompute_search),
+            "incremental": lambda: Fathom(translator, sources, batches, None),
+            "full": lambda: Fathom(translator, sources, batches, full_recompute_search),
             "fairseq": lambda: Fairseq(args, translator, Path(workdir), len(sources)),
         }
         bench = {name: runners[name]() for name in systems}

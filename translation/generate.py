@@ -3,9 +3,12 @@
     python scripts/generate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --subset test \\
         [--beam 4] [--lenpen 1.0] [--batch-size 64] [--output FILE]
 
-The checkpoint (any depth, any stage count) loads into the single-process model; hypotheses are
-detokenized with the data's SentencePiece model and scored against the split's raw references
-(cased, detokenized, sacreBLEU's default 13a tokenizer). The last line printed is the signature.
+The checkpoint (any depth, any stage count) loads into the single-process model and decodes the split
+in fairseq-generate's batches (corpus/batches.py's fairseq_batches), whose longest source sets each
+batch's output limit: the hypotheses are fairseq-generate's on the exported model given the same
+--beam, --lenpen, --max-len-a, --max-len-b and --batch-size. Hypotheses are detokenized with the data's
+SentencePiece model and scored against the split's raw references (cased, detokenized, sacreBLEU's
+default 13a tokenizer). The last line printed is the signature.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from common.errors import exit_on_config_error
 from common.files import write_atomic
 from common.heap import keep_freed_blocks
 from common.outputs import check_writable_file
+from corpus.batches import fairseq_batches
 from corpus.dataset import BinarizedCorpus
 from corpus.text import read_lines
 from model.search import SearchConfig
@@ -33,6 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def split_batches(corpus: BinarizedCorpus, count: int, size: int) -> list[list[int]]:
+    """The batches fairseq-generate decodes the split's first `count` pairs in with --batch-size `size`
+    (its translation task shuffles every split but the one named test before sorting by length)."""
+    lengths = (corpus.sources.lengths[:count], corpus.targets.lengths[:count])
+    return fairseq_batches(*lengths, size, shuffled=corpus.split != "test")
+
+
 def translate(
     args: argparse.Namespace, search_cfg: SearchConfig, output: Path | None = None
 ) -> tuple[list[str], list[str], float]:
@@ -45,7 +56,9 @@ def translate(
         check_writable_file(output, "--output", {"the references": corpus.references()})
     sources = [corpus.sources[i] for i in range(len(corpus))]
     tick = time.perf_counter()
-    found = translator.search(sources, progress=f"translating {args.subset}")
+    found = translator.search(
+        sources, split_batches(corpus, len(corpus), search_cfg.batch_size), f"translating {args.subset}"
+    )
     seconds = time.perf_counter() - tick
     references = read_lines(corpus.references())
     return [translator.detokenize(h) for h in found], references, seconds

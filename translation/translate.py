@@ -5,8 +5,9 @@
 
 One sentence a line, from --input or stdin, to --output or stdout, in input order. The checkpoint
 (any depth, any stage count) loads into the single-process model on the GPU if there is one
-(--device, --precision); sentences are batched by length. An empty line gives an empty line; a
-line longer than the model's positions is cut to fit, with one warning line naming it. With
+(--device, --precision); sentences are batched by length. A line that shows nothing (empty, blanks,
+zero-width characters) gives an empty line; a line longer than the model's positions is cut to fit,
+with one warning line naming it. With
 --reference, sacreBLEU's BLEU and chrF and the signature follow on stderr.
 """
 
@@ -30,7 +31,7 @@ from common.heap import keep_freed_blocks
 from common.outputs import check_writable_file
 from corpus.batches import length_batches, with_eos
 from corpus.dataset import PreparedData, check_vocab
-from corpus.text import decode_lines, read_lines
+from corpus.text import blank, decode_lines, read_lines
 from model.model_config import DTYPES
 from model.search import Hypothesis, SearchConfig, beam_search
 from model.trained import load_reference
@@ -105,11 +106,15 @@ class Translator:
         )
 
     def search(
-        self, sources: list[torch.Tensor], progress: str | None = None, search: SearchFn = beam_search
-    ) -> list[Hypothesis]:
-        """Best hypothesis per source (token ids without eos), batched by length, in input order; `search`
-        (model.search.beam_search's signature) lets a benchmark time another search on the same batches."""
-        batches = length_batches(sources, range(len(sources)), self.search_cfg.batch_size)
+        self,
+        sources: list[torch.Tensor],
+        batches: list[list[int]],
+        progress: str | None = None,
+        search: SearchFn = beam_search,
+    ) -> list[Hypothesis | None]:
+        """Best hypothesis per source (token ids without eos), decoded in `batches` (lists of indices into
+        `sources`), in input order, None for a source in no batch; `search` (model.search.beam_search's
+        signature) lets a benchmark time another search on the same batches."""
         hypotheses: list[Hypothesis | None] = [None] * len(sources)
         for batch in tqdm(batches, desc=progress, unit="batch", file=sys.stderr, disable=progress is None):
             found = search(self.model, with_eos([sources[i] for i in batch]), self.search_cfg)
@@ -159,14 +164,12 @@ def encode(translator: Translator, lines: list[str]) -> list[torch.Tensor]:
 
 
 def translate_lines(translator: Translator, lines: list[str], progress: str | None) -> list[str]:
-    """Translations of lines in input order; an empty line stays empty and is not decoded."""
+    """Translations of lines in input order, decoded in batches of similar source lengths; a line that
+    shows nothing (corpus.text.blank) gives an empty line and is not decoded."""
     sources = encode(translator, lines)
-    todo = [i for i, line in enumerate(lines) if line.strip()]
-    found = translator.search([sources[i] for i in todo], progress) if todo else []
-    translations = [""] * len(lines)
-    for i, hypothesis in zip(todo, found, strict=True):
-        translations[i] = translator.detokenize(hypothesis)
-    return translations
+    todo = [i for i, line in enumerate(lines) if not blank(line)]
+    found = translator.search(sources, length_batches(sources, todo, translator.search_cfg.batch_size), progress)
+    return ["" if hypothesis is None else translator.detokenize(hypothesis) for hypothesis in found]
 
 
 def read_references(path: str, count: int) -> list[str]:

@@ -48,16 +48,20 @@ def validate(engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch], smoot
     """The validation loss as fairseq-validate computes it: summed over every target token of `batches`
     (eos included, pads not) and divided by their number, label-smoothed (`valid_loss`, fairseq's `loss`)
     and not (`valid_nll_loss`), in nats and in bits (fairseq prints bits). Each data-parallel replica
-    scores every n-th micro-batch; the last stages' sums add up over the whole world."""
+    scores every n-th micro-batch; the last stages' sums add up over the whole world. A replica left
+    without a share (fewer micro-batches than replicas) still runs one, for nothing: eval_batch all-reduces
+    its loss over the replicas, and the others would wait for it for ever."""
     grid = engine.grid
     mine = batches[grid.get_data_parallel_rank() :: grid.get_data_parallel_world_size()]
+    run = mine or batches[:1]
     sums = LossSums(smoothing)
     training_loss, engine.module.loss_fn = engine.module.loss_fn, sums
     try:
-        if mine:
-            engine.eval_batch(iter(mine), num_micro_batches=len(mine), bcast_loss=False)
+        engine.eval_batch(iter(run), num_micro_batches=len(run), bcast_loss=False)
     finally:
         engine.module.loss_fn = training_loss
+    if not mine:
+        sums.sums.clear()  # the stand-in micro-batch is another replica's, counted there
     total = sums.total(engine.device)
     dist.all_reduce(total)
     smoothed, nll, tokens = total.tolist()

@@ -10,6 +10,7 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -33,7 +34,7 @@ from corpus.dataset import BinarizedCorpus, file_record
 from pipeline.checkpoint import saving
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.train import main
-from pipeline.validation import Best
+from pipeline.validation import Best, validate
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
 from translation.generate import main as generate_main
 from translation.translate import main as translate_main
@@ -557,3 +558,33 @@ def test_a_changed_learning_rate_applies_from_the_first_resumed_step(multi30k_sl
     history = read_jsonl(changed / "config_history.jsonl")
     assert [(r["from_step"], r["config"]["optimizer"]["params"]["lr"]) for r in history] == [(0, 0.001), (2, 0.01)]
     assert json.loads((changed / "config.json").read_text()) == history[-1]["config"]
+
+
+def test_a_replica_without_a_share_of_the_validation_set_still_joins_it(monkeypatch):
+    """With fewer validation micro-batches than data-parallel replicas, a replica left without a share
+    skipped eval_batch, which all-reduces its loss over the replicas: the others waited for it until the
+    hang watchdog fired. It runs a stand-in micro-batch and adds nothing to the sums."""
+    target = torch.tensor([[4, 5, 2]])
+
+    class Engine:
+        device = torch.device("cpu")
+        grid = SimpleNamespace(get_data_parallel_rank=lambda: 1, get_data_parallel_world_size=lambda: 2)
+        module = SimpleNamespace(loss_fn=None)
+        scored: list[Any] = []
+
+        def eval_batch(self, batches, num_micro_batches, bcast_loss):
+            for _ in range(num_micro_batches):
+                self.scored.append(next(batches))
+                self.module.loss_fn(torch.zeros(1, 3, 8), target)
+
+    reduced = []
+
+    def all_reduce(sums: torch.Tensor) -> None:  # replica 0 scored that micro-batch's 3 tokens
+        reduced.append(sums.clone())
+        sums += torch.tensor([6.0, 3.0, 3.0], dtype=torch.float64)
+
+    monkeypatch.setattr("pipeline.validation.dist.all_reduce", all_reduce)
+    engine = Engine()
+    assert validate(engine, ["the only micro-batch"], smoothing=0.1)["valid_loss"] == 2.0
+    assert engine.scored == ["the only micro-batch"]  # joined the replicas' all-reduce
+    assert reduced[0].tolist() == [0.0, 0.0, 0.0]  # and counted nothing: replica 0 counts that micro-batch

@@ -24,7 +24,8 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_value(value: Any, tp: Any, key: str) -> Any:
+def check_value(value: Any, tp: Any, key: str) -> Any:
+    """`value` as type `tp` (a dataclass, a Literal choice, ...), or a ConfigError naming `key`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -35,7 +36,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _check_value(value, option, key)
+                return check_value(value, option, key)
             except ConfigError as err:
                 errors.append(err)
         raise errors[0]
@@ -52,7 +53,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -75,7 +76,7 @@ def parse_section(cls: type[T], data: Any, where: str) -> T:
     for key in data:
         if key not in names:
             raise unknown_key_error(f"{where}.{key}", names)
-    values = {key: _check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+    values = {key: check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
     return cls(**values)
 
 

@@ -189,6 +189,23 @@ VALUES = {
     "train.max_steps=5": "scheduler.params.total_num_steps: 3 ends before train.max_steps 5",
     "scheduler.type=WarmupDecayLR scheduler.params.warmup_num_steps=4 scheduler.params.total_num_steps=3 "
     "train.max_steps=3": "scheduler.params.total_num_steps: 3 ends inside the warmup of 4 steps; set it to 4 or more",
+    # DeepSpeed's values of another JSON type, which its pydantic sections convert and its other readers use as
+    # they come: a string stage was refused for a false reason ("1 is not supported ... use 0 or 1"); true and
+    # 1.0 trained at stage 1; "false" enabled fathom's bf16 checks while DeepSpeed trained in fp32 (issue 50)
+    'zero_optimization.stage="1"': "zero_optimization.stage: expected an integer, got '1'",
+    "zero_optimization.stage=true": "zero_optimization.stage: expected an integer, got True",
+    "zero_optimization.stage=1.0": "zero_optimization.stage: expected an integer, got 1.0",
+    "zero_optimization.reduce_bucket_size=true": "zero_optimization.reduce_bucket_size: expected an integer, got True",
+    "zero_optimization.offload_optimizer.pin_memory=1": "zero_optimization.offload_optimizer.pin_memory: expected "
+    "true or false, got 1",
+    'bf16.enabled="false"': "bf16.enabled: expected true or false, got 'false'",
+    "csv_monitor.enabled=1": "csv_monitor.enabled: expected true or false, got 1",
+    'timers.throughput.enabled="no"': "timers.throughput.enabled: expected true or false, got 'no'",
+    # read by DeepSpeed with a default, not by pydantic: it failed on `'str' | 'bool'`, naming no key
+    'wall_clock_breakdown="yes"': "wall_clock_breakdown: expected true or false, got 'yes'",
+    'gradient_predivide_factor="2"': "gradient_predivide_factor: expected float, got '2'",
+    'pipeline.use_reentrant="false"': "pipeline.use_reentrant: expected true or false, got 'false'",
+    "pipeline.pipe_partitioned=0": "pipeline.pipe_partitioned: expected true or false, got 0",
 }
 
 

@@ -16,8 +16,9 @@ import torch
 from common.errors import ConfigError, unknown_key_error
 from common.machine import native_bf16_cpu
 from common.outputs import check_makeable
+from common.sections import check_value
 from model.model_config import ModelConfig
-from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
+from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
 from pipeline.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
@@ -41,10 +42,12 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
-    known = pipeline_keys()
-    for key in pipeline:
+    known = pipeline_defaults()
+    for key, value in pipeline.items():
         if key not in known:
             raise unknown_key_error(f"pipeline.{key}", known)
+        if isinstance(known[key], bool | int):  # DeepSpeed's switches and counts; fathom checks the rest
+            check_value(value, type(known[key]), f"pipeline.{key}")
     stages = _require_int(pipeline, "stages", section="pipeline.")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:

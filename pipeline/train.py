@@ -320,6 +320,10 @@ def run(
             saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
     if breakdown and rank == 0:
         print("\n".join(breakdown.summary()), flush=True)
+    if cfg.deepspeed.get("comms_logger", {}).get("enabled"):
+        # DeepSpeed times its communication ops and leaves printing them to the training loop (every rank
+        # meets in it; rank 0 prints).
+        deepspeed.comm.log_summary()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -99,16 +99,21 @@ def pipeline_defaults() -> dict[str, Any]:
     return {**get_pipeline_config({}), "use_reentrant": False}
 
 
+def probe_config(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `ds` DeepSpeedConfig can parse before launch. DeepSpeed checks the batch sizes against the
+    size of whatever process group exists (none before launch: it assumes 1), and derives train_batch_size
+    when it is left out; pipeline/config/deepspeed_values.py checks it against the real data-parallel size."""
+    probe = copy.deepcopy(ds)
+    if "train_micro_batch_size_per_gpu" in probe:
+        probe.pop("train_batch_size", None)
+    return probe
+
+
 def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> None:
     """Every key of DeepSpeed's sections is one the pinned DeepSpeed reads, with a value it accepts."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    probe = copy.deepcopy(ds)
-    # DeepSpeed checks the batch sizes against the size of whatever process group exists (none before
-    # launch: it assumes 1), and derives train_batch_size when it is left out; pipeline/config/run_config.py has
-    # checked it against the real data-parallel size.
-    if "train_micro_batch_size_per_gpu" in probe:
-        probe.pop("train_batch_size", None)
+    probe = probe_config(ds)
     recording = Recording(probe)
     with pydantic_reads() as reads:
         try:

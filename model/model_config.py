@@ -37,7 +37,7 @@ class ModelConfig:
     share_decoder_input_output_embed: bool = field(default=False, metadata=WEIGHTS)
     norm_scheme: str = field(default="post_ln", metadata=WEIGHTS)
     # Options of each scheme, keyed by registry name; users write them as model.<scheme>.<option>. Each
-    # scheme's Options declares what a resume does with each of its options (model.norms.scheme_options).
+    # scheme's Options declares what a resume does with each of its options (model.norms.scheme_option_rules).
     schemes: dict[str, dict] = field(default_factory=dict)
     # Filled from the data's dictionaries when left out.
     src_vocab_size: int | None = field(default=None, metadata=WEIGHTS)

@@ -87,8 +87,7 @@ class NormScheme:
     """Base class: Post-LN placement, fairseq initialization, no extra parameters. A scheme declares
     its options (Options, the model.<name> section; each option declares what a resume does with a
     change to it, common.sections.OnResume: START_ONLY for one that acts only at a run's start), its
-    profiling pass (profiling) and, through its residual
-    modules (Residual.scales), what export folds."""
+    profiling pass (profiling) and, through its residual modules (Residual.scales), what export folds."""
 
     name: ClassVar[str]
     formula: ClassVar[str]

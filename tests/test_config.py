@@ -240,6 +240,8 @@ VALUES = {
     "commit (fsync and a manifest of every file) needs DeepSpeed's torch checkpoint engine; remove it",
     # DeepSpeed trained in bf16 while fathom's precision() read fp32
     "bfloat16.enabled=true": "bfloat16: it is DeepSpeed's old name for bf16",
+    "managed_gradient_accumulation=false": "managed_gradient_accumulation: DeepSpeed's pipeline engine accumulates "
+    "the micro-batches of a step itself",
     "timers.throughput.enabled=true": "timers: DeepSpeed's pipeline engine starts its throughput timer and never "
     "reports it",
     "pipeline.partition=type:[": "pipeline.partition: 'type:[' is not a regular expression",

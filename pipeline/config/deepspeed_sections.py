@@ -48,7 +48,6 @@ APPLIED = {
     "gradient_allreduce_op": "the gradient all-reduce across replicas (none on one replica)",
     "zero_allow_untested_optimizer": "which optimizers ZeRO-1 accepts",
     "zero_force_ds_cpu_optimizer": "which optimizers ZeRO-1 accepts with CPU offload",
-    "managed_gradient_accumulation": "true only: the pipeline engine accumulates itself (false is refused)",
 }
 
 # Keys whose feature does not act in fathom's engine, and what fathom does instead.
@@ -93,6 +92,8 @@ REFUSED = {
     "timers": "DeepSpeed's pipeline engine starts its throughput timer and never reports it (only DeepSpeedEngine.step "
     "does, which it does not call), while the timer synchronizes the device at every micro-batch; metrics.jsonl "
     "has each step's tokens_per_s",
+    "managed_gradient_accumulation": "DeepSpeed's pipeline engine accumulates the micro-batches of a step itself, "
+    "and fails at launch without (true, its default, passes)",
     "disable_allgather": "DeepSpeed 0.19.8 reads it and uses it nowhere",
     "vocabulary_size": "DeepSpeed's training engine does not use it; fathom takes the vocabularies from the data",
     "seq_parallel_communication_data_type": "fathom has no sequence parallelism",

@@ -1,13 +1,15 @@
-"""Typed configuration sections with strict, user-facing validation.
+"""Typed configuration sections with strict, user-facing validation, and what a resume does with each.
 
 DeepSpeed silently ignores keys it does not know, so every section of ours (the model's, the run's, a
 study's) is checked here: an unknown key or a value of the wrong type is a one-line `ConfigError`
 naming the dotted key. A `Literal` type is a choice, checked here rather than by hand in each section.
+A field of a run's config declares what --resume does with a change to it (OnResume).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from typing import Any, TypeVar
@@ -15,16 +17,40 @@ from typing import Any, TypeVar
 from common.errors import ConfigError, unknown_key_error
 
 T = TypeVar("T")
-# Field metadata of a setting that acts only when a run starts (on its first weights): a resume that
-# changed it would silently ignore it, so resuming refuses the change (pipeline/checkpoint/saving.py).
-START_ONLY = {"start_only": True}
+
+
+class OnResume(enum.Enum):
+    """What --resume does with a setting changed since the checkpoint it resumes. Every field of a config
+    section declares it, in the field's metadata (`field(..., metadata=APPLIED)`): the one place it is
+    decided, which the resume checks, the data order and the change report read (a field holding a
+    section declares it for all of that section's keys). tests/test_config.py fails for a field without."""
+
+    APPLIED = "applies from the first resumed step; the launch prints the change"
+    LOCATION = "where the run lives, not how it trains: no change of the run"
+    WEIGHTS = "the weights' shapes follow it: refused, as train.init_from's weights of another value are"
+    OPTIMIZER_STATE = "the form of the saved optimizer state follows it: refused"
+    START_ONLY = "acts only when a run starts (on its first weights): refused"
+    DATA_ORDER = "decides which pairs each micro-batch holds: refused, or see train.on_data_change"
+
+
+def on_resume(rule: OnResume) -> dict[str, OnResume]:
+    """A field's metadata declaring what --resume does with a change to it."""
+    return {"on_resume": rule}
+
+
+APPLIED = on_resume(OnResume.APPLIED)
+LOCATION = on_resume(OnResume.LOCATION)
+WEIGHTS = on_resume(OnResume.WEIGHTS)
+START_ONLY = on_resume(OnResume.START_ONLY)
+DATA_ORDER = on_resume(OnResume.DATA_ORDER)
 
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_value(value: Any, tp: Any, key: str) -> Any:
+def check_value(value: Any, tp: Any, key: str) -> Any:
+    """`value` as type `tp` (a dataclass, a Literal choice, ...), or a ConfigError naming `key`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -35,7 +61,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _check_value(value, option, key)
+                return check_value(value, option, key)
             except ConfigError as err:
                 errors.append(err)
         raise errors[0]
@@ -52,7 +78,7 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [_check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -75,10 +101,15 @@ def parse_section(cls: type[T], data: Any, where: str) -> T:
     for key in data:
         if key not in names:
             raise unknown_key_error(f"{where}.{key}", names)
-    values = {key: _check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+    values = {key: check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
     return cls(**values)
 
 
-def start_only(cls: type, where: str) -> list[str]:
-    """The dotted keys of section `cls` (read at `where`) whose fields are declared START_ONLY."""
-    return [f"{where}.{f.name}" for f in dataclasses.fields(cls) if f.metadata.get("start_only")]
+def resume_rule(field: dataclasses.Field) -> OnResume | None:
+    """What --resume does with a change to `field`, as it declares it (None: undeclared)."""
+    return field.metadata.get("on_resume")
+
+
+def resume_rules(cls: type, where: str) -> dict[str, OnResume]:
+    """Each declared field of section `cls` (read at `where`) by dotted key, and its OnResume."""
+    return {f"{where}.{f.name}": rule for f in dataclasses.fields(cls) if (rule := resume_rule(f)) is not None}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.errors import ConfigError
+from common.sections import APPLIED, WEIGHTS
 
 # fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
 BOS, PAD, EOS, UNK = 0, 1, 2, 3
@@ -18,27 +19,29 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class ModelConfig:
-    """Architecture; defaults are fairseq's `transformer` (base) with Post-LN."""
+    """Architecture; defaults are fairseq's `transformer` (base) with Post-LN. What a resume does with a
+    changed key (common.sections.OnResume): the weights' shapes follow most of them."""
 
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    embed_dim: int = 512
-    ffn_dim: int = 2048
-    attention_heads: int = 8
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    max_positions: int = 1024
+    encoder_layers: int = field(default=6, metadata=WEIGHTS)
+    decoder_layers: int = field(default=6, metadata=WEIGHTS)
+    embed_dim: int = field(default=512, metadata=WEIGHTS)
+    ffn_dim: int = field(default=2048, metadata=WEIGHTS)
+    attention_heads: int = field(default=8, metadata=WEIGHTS)
+    dropout: float = field(default=0.1, metadata=APPLIED)
+    attention_dropout: float = field(default=0.0, metadata=APPLIED)
+    activation_dropout: float = field(default=0.0, metadata=APPLIED)
+    max_positions: int = field(default=1024, metadata=APPLIED)
     # fairseq's --encoder-learned-pos/--decoder-learned-pos (both): trained position tables.
-    learned_pos: bool = False
-    share_all_embeddings: bool = False
-    share_decoder_input_output_embed: bool = False
-    norm_scheme: str = "post_ln"
-    # Options of each scheme, keyed by registry name; users write them as model.<scheme>.<option>.
+    learned_pos: bool = field(default=False, metadata=WEIGHTS)
+    share_all_embeddings: bool = field(default=False, metadata=WEIGHTS)
+    share_decoder_input_output_embed: bool = field(default=False, metadata=WEIGHTS)
+    norm_scheme: str = field(default="post_ln", metadata=WEIGHTS)
+    # Options of each scheme, keyed by registry name; users write them as model.<scheme>.<option>. Each
+    # scheme's Options declares what a resume does with each of its options (model.norms.scheme_option_rules).
     schemes: dict[str, dict] = field(default_factory=dict)
     # Filled from the data's dictionaries when left out.
-    src_vocab_size: int | None = None
-    tgt_vocab_size: int | None = None
+    src_vocab_size: int | None = field(default=None, metadata=WEIGHTS)
+    tgt_vocab_size: int | None = field(default=None, metadata=WEIGHTS)
 
     def __post_init__(self) -> None:
         for key in ("encoder_layers", "decoder_layers", "embed_dim", "ffn_dim", "attention_heads"):

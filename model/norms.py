@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from common.errors import ConfigError
-from common.sections import START_ONLY, parse_section, start_only
+from common.sections import APPLIED, START_ONLY, OnResume, parse_section, resume_rules
 from model.model_config import ModelConfig
 
 Side = Literal["encoder", "decoder"]
@@ -85,9 +85,9 @@ class Profiling:
 
 class NormScheme:
     """Base class: Post-LN placement, fairseq initialization, no extra parameters. A scheme declares
-    its options (Options, the model.<name> section; an option that acts only at a run's start has
-    common.sections.START_ONLY metadata), its profiling pass (profiling) and, through its residual
-    modules (Residual.scales), what export folds."""
+    its options (Options, the model.<name> section; each option declares what a resume does with a
+    change to it, common.sections.OnResume: START_ONLY for one that acts only at a run's start), its
+    profiling pass (profiling) and, through its residual modules (Residual.scales), what export folds."""
 
     name: ClassVar[str]
     formula: ClassVar[str]
@@ -173,9 +173,26 @@ def model_section(cfg: ModelConfig) -> dict[str, Any]:
     return section
 
 
-def start_only_options() -> list[str]:
-    """The dotted keys of every registered scheme's options that act only when a run starts."""
-    return [key for name, scheme in SCHEMES.items() for key in start_only(scheme.Options, f"model.{name}")]
+def scheme_option_rules() -> dict[str, OnResume]:
+    """What --resume does with a change to each option of every registered scheme, by dotted key
+    (model.<scheme>.<option>), as its Options field declares it."""
+    return {
+        key: rule
+        for name, scheme in SCHEMES.items()
+        for key, rule in resume_rules(scheme.Options, f"model.{name}").items()
+    }
+
+
+def scheme_options(cfg: ModelConfig) -> dict[str, Any]:
+    """Every registered scheme's options as `cfg` sets them, its defaults where it does not, by dotted key:
+    an option left out and one written with its default value are the same setting."""
+    return {
+        f"model.{name}.{key}": value
+        for name, scheme in SCHEMES.items()
+        for key, value in dataclasses.asdict(
+            parse_section(scheme.Options, cfg.schemes.get(name, {}), f"model.{name}")
+        ).items()
+    }
 
 
 def build_scheme(cfg: ModelConfig) -> NormScheme:
@@ -353,7 +370,7 @@ class DeepNorm(NormScheme):
     @dataclass
     class Options:
         # "paper": xavier_normal with gain beta (Algorithm 1); "torchscale": that library's code.
-        init: Literal["paper", "torchscale"] = "paper"
+        init: Literal["paper", "torchscale"] = dataclasses.field(default="paper", metadata=START_ONLY)
 
     def residual(self, side: Side) -> Residual:
         alpha, _ = deepnorm_constants(self.cfg.encoder_layers, self.cfg.decoder_layers, side)
@@ -497,10 +514,10 @@ class BranchNorm(NormScheme):
 
     @dataclass
     class Options:
-        T: int = 4000
-        growth: Literal["linear", "exp", "sigmoid"] = "linear"
+        T: int = dataclasses.field(default=4000, metadata=APPLIED)
+        growth: Literal["linear", "exp", "sigmoid"] = dataclasses.field(default="linear", metadata=APPLIED)
         # Sec. 4.1: "We initialize model parameters following DeepNorm".
-        init: Literal["deepnorm", "fairseq"] = "deepnorm"
+        init: Literal["deepnorm", "fairseq"] = dataclasses.field(default="deepnorm", metadata=START_ONLY)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

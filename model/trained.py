@@ -3,6 +3,7 @@ depth and stage count, read with torch alone into the single-process Transformer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from common.checkpoint_format import layer_file, load_file, schedule_step
 from common.errors import ConfigError
 from common.run_layout import CONFIG_FILE, checkpoint_dir
+from common.sections import OnResume, resume_rule
 from model.model_config import ModelConfig
 from model.norms import ScheduleHook, parse_model
 from model.parts import fairseq_key, model_parts, saved_names
@@ -43,26 +45,12 @@ def missing_layer_files(cfg: ModelConfig, checkpoint: Path) -> None:
         )
 
 
-# What must agree for one model's weights to load into another.
-SHAPE_KEYS = (
-    "encoder_layers",
-    "decoder_layers",
-    "embed_dim",
-    "ffn_dim",
-    "attention_heads",
-    "src_vocab_size",
-    "tgt_vocab_size",
-    "share_all_embeddings",
-    "share_decoder_input_output_embed",
-    "learned_pos",
-    "norm_scheme",
-)
-
-
 def check_same_model(save_dir: str | Path, cfg: ModelConfig, option: str, fix: str) -> None:
-    """Fails in one line unless the run in save_dir trained the model `cfg` describes."""
+    """Fails in one line unless the run in save_dir trained the model `cfg` describes: every key the
+    weights' shapes follow (declared OnResume.WEIGHTS) agrees, for one model's weights to load into another."""
     source = model_config(save_dir)
-    for key in SHAPE_KEYS:
+    shapes = [f.name for f in dataclasses.fields(ModelConfig) if resume_rule(f) is OnResume.WEIGHTS]
+    for key in shapes:
         if getattr(source, key) != getattr(cfg, key):
             raise ConfigError(
                 f"{option}: model.{key} is {getattr(source, key)} in {save_dir} but {getattr(cfg, key)} here; {fix}"

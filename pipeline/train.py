@@ -34,6 +34,7 @@ from pipeline.checkpoint.data_position import data_order, position_record
 from pipeline.checkpoint.run_directory import RunDirectory
 from pipeline.config.deepspeed_values import engine_config, precision_warning
 from pipeline.config.history import record_config
+from pipeline.config.resume_rules import applied_optimizer_arguments
 from pipeline.config.run_config import RunConfig
 from pipeline.cuda_graphs import graph_layers
 from pipeline.deepspeed_internals import checkpoint_engine, linear_duplicate_check
@@ -123,7 +124,7 @@ def apply_optimizer_settings(engine: deepspeed.PipelineEngine, ds: dict[str, Any
     would stay the checkpoint's, and their lr until the scheduler's first step, one step late."""
     params = ds.get("optimizer", {}).get("params", {})
     for group in engine.optimizer.param_groups:
-        for key in saving.HYPERPARAMETERS:
+        for key in applied_optimizer_arguments():
             if key in params and key in group:
                 group[key] = tuple(params[key]) if isinstance(group[key], tuple) else params[key]
     if engine.lr_scheduler is not None:  # the rate of the iteration the checkpoint's scheduler is at
@@ -323,6 +324,10 @@ def run(
             saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
     if breakdown and rank == 0:
         print("\n".join(breakdown.summary()), flush=True)
+    if cfg.deepspeed.get("comms_logger", {}).get("enabled"):
+        # DeepSpeed times its communication ops and leaves printing them to the training loop (every rank
+        # meets in it; rank 0 prints).
+        deepspeed.comm.log_summary()
 
 
 def main(argv: list[str] | None = None) -> None:

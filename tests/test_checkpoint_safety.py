@@ -116,6 +116,9 @@ def test_checkpoints_are_committed_whole(trained):
         ),
         (["zero_optimization.stage=0"], 2, "--resume: zero_optimization.stage is 1 in global_step2 but 0 here"),
         (["optimizer.params.torch_adam=false"], 2, "optimizer.params.torch_adam is true in global_step2 but false"),
+        # a scheme's initialization acts only when a run starts: it was printed as a change and ignored (issue 50)
+        (["model.branchnorm.init=fairseq"], 2, '--resume: model.branchnorm.init is "deepnorm" in'),
+        (["model.deepnorm.init=torchscale"], 2, '--resume: model.deepnorm.init is "paper" in'),
     ],
 )
 def test_resume_refuses_another_model_or_layout(capsys, monkeypatch, run, multi30k_slice, overrides, world_size,

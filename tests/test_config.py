@@ -17,12 +17,16 @@ from common.errors import ConfigError
 from common.heap import CPU_HEAPS
 from common.jsonl import read_jsonl
 from common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, META_FILE, METRICS_FILE
-from model.norms import DEEPNORM_INITS, GROWTH, BranchNorm, DeepNorm
+from common.sections import OnResume, resume_rule
+from model.model_config import ModelConfig
+from model.norms import DEEPNORM_INITS, GROWTH, SCHEMES, BranchNorm, DeepNorm
 from model.search import SearchConfig
 from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.config import deepspeed_values
+from pipeline.config import deepspeed_values, resume_rules
+from pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, Recording, pipeline_defaults
+from pipeline.config.deepspeed_sections import APPLIED, REFUSED
 from pipeline.config.history import record_config
-from pipeline.config.run_config import TrainConfig, ValidBleu, load_config
+from pipeline.config.run_config import DataConfig, TrainConfig, ValidBleu, load_config
 from pipeline.train import main
 from tests.helpers import ROOT, launch, snapshot
 
@@ -148,6 +152,71 @@ def test_deepspeed_sections_it_validates_whole_pass(tmp_path, monkeypatch):
     assert cfg.deepspeed["tensorboard"]["enabled"] is False
 
 
+def test_every_setting_declares_what_a_resume_does_with_a_change():
+    """Each field of every section (the model's, each scheme's options, data, train) and each key of the
+    pipeline section declares what --resume does with a change to it (common.sections.OnResume), the one
+    place it is decided: a new setting without a declaration fails here instead of passing a resume
+    unnoticed (model.deepnorm.init was printed as a change and ignored, issue 50)."""
+    sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+    sections |= {f"model.{name}": scheme.Options for name, scheme in SCHEMES.items()}
+    undeclared = [
+        f"{where}.{field.name}"
+        for where, cls in sections.items()
+        for field in dataclasses.fields(cls)
+        if resume_rule(field) is None and f"{where}.{field.name}" != "model.schemes"  # each scheme's, above
+    ]
+    undeclared += [f"pipeline.{key}" for key in pipeline_defaults() if f"pipeline.{key}" not in resume_rules.DEEPSPEED]
+    assert undeclared == []
+    # what the resume checks read: the weights' shapes, the start-only settings of every section and scheme
+    assert "norm_scheme" in [f.name for f in dataclasses.fields(ModelConfig) if resume_rule(f) is OnResume.WEIGHTS]
+    start_only = resume_rules.settings_with(OnResume.START_ONLY)
+    assert {"train.init_from", "model.admin.profile", "model.deepnorm.init", "model.branchnorm.init"} <= set(start_only)
+
+
+def test_every_key_deepspeed_reads_is_applied_or_refused():
+    """Each top-level key DeepSpeed 0.19.8 reads (and each of `checkpoint` fathom refuses) has its entry in
+    pipeline/config/deepspeed_sections.py, or DeepSpeed refuses it itself (a feature it removed); a new
+    DeepSpeed's new section fails here until someone decides what fathom's engine does with it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    recording = Recording({"train_micro_batch_size_per_gpu": 1})
+    DeepSpeedConfig(recording)
+    read = recording.seen[""] | READ_BY_INITIALIZE
+    undecided = []
+    for key in sorted(read - APPLIED.keys() - REFUSED.keys()):
+        try:
+            DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, key: {}})
+        except Exception:  # noqa: BLE001 (DeepSpeed's own refusal, one line before launch)
+            continue
+        undecided.append(key)
+    assert undecided == []
+    assert APPLIED.keys().isdisjoint(REFUSED)
+    tops = {key.split(".")[0] for key in [*APPLIED, *REFUSED]}
+    assert tops <= read, f"entries for keys DeepSpeed does not read: {tops - read}"
+    checkpoint = Recording({"train_micro_batch_size_per_gpu": 1, "checkpoint": {}})
+    DeepSpeedConfig(checkpoint)
+    refused = {key.split(".", 1)[1] for key in REFUSED if key.startswith("checkpoint.")}
+    assert refused <= checkpoint.seen["checkpoint"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "flops_profiler.enabled=false",
+        "wall_clock_breakdown=false",
+        "activation_checkpointing.partition_activations=false activation_checkpointing.cpu_checkpointing=false",
+        "managed_gradient_accumulation=true",
+        "checkpoint.tag_validation=Fail checkpoint.load_universal=false",
+        "bfloat16.enabled=false",
+        "timers.throughput.enabled=false",  # fathom's own default for the engine
+    ],
+)
+def test_a_refused_deepspeed_section_that_asks_for_nothing_passes(tmp_path, overrides):
+    """A config copied from DeepSpeed's examples may switch a feature off explicitly: that is no setting
+    that fails to act, and DeepSpeed reads it as if it were left out."""
+    load_config(write_config(tmp_path), overrides.split(), world_size=2)
+
+
 # Values that passed the start-up checks and then crashed every rank with a traceback, or trained silently
 # with something else (issue 16).
 VALUES = {
@@ -159,7 +228,23 @@ VALUES = {
     "gradient_clipping=-1": "gradient_clipping: expected a number >= 0 (0: no clipping), got -1",
     "steps_per_print=0": "steps_per_print: expected an integer >= 1, got 0",
     "wall_clock_breakdown=true": "wall_clock_breakdown: DeepSpeed's pipeline engine fails with it (a timer started "
-    "twice); set train.time_breakdown=true for each pipeline instruction's time per step",
+    "twice); train.time_breakdown=true times each pipeline instruction per step; remove it",
+    # DeepSpeed sections that were accepted and did nothing in fathom's engine (issue 50)
+    "flops_profiler.enabled=true flops_profiler.profile_step=1": "flops_profiler: DeepSpeed's pipeline engine never "
+    "prints its profile",
+    "activation_checkpointing.cpu_checkpointing=true": "activation_checkpointing: fathom checkpoints every "
+    "pipeline.activation_checkpoint_interval layers with its own function",
+    "data_efficiency.enabled=true": "data_efficiency: DeepSpeed's data sampling and routing act through its own data "
+    "loader, which fathom does not use",
+    # refused only once the engine was built, after the data was read and the process group made
+    "checkpoint.writer.type=fast": "checkpoint.writer: it replaces the checkpoint engine, and fathom's crash-safe "
+    "commit (fsync and a manifest of every file) needs DeepSpeed's torch checkpoint engine; remove it",
+    # DeepSpeed trained in bf16 while fathom's precision() read fp32
+    "bfloat16.enabled=true": "bfloat16: it is DeepSpeed's old name for bf16",
+    "managed_gradient_accumulation=false": "managed_gradient_accumulation: DeepSpeed's pipeline engine accumulates "
+    "the micro-batches of a step itself",
+    "timers.throughput.enabled=true": "timers: DeepSpeed's pipeline engine starts its throughput timer and never "
+    "reports it",
     "pipeline.partition=type:[": "pipeline.partition: 'type:[' is not a regular expression",
     "pipeline.partition=type:Nothing": "pipeline.partition: 'type:Nothing' matches no layer; the layers are",
     "pipeline.activation_checkpoint_interval=-1": "pipeline.activation_checkpoint_interval: expected an integer >= 0",
@@ -190,6 +275,23 @@ VALUES = {
     "train.max_steps=5": "scheduler.params.total_num_steps: 3 ends before train.max_steps 5",
     "scheduler.type=WarmupDecayLR scheduler.params.warmup_num_steps=4 scheduler.params.total_num_steps=3 "
     "train.max_steps=3": "scheduler.params.total_num_steps: 3 ends inside the warmup of 4 steps; set it to 4 or more",
+    # DeepSpeed's values of another JSON type, which its pydantic sections convert and its other readers use as
+    # they come: a string stage was refused for a false reason ("1 is not supported ... use 0 or 1"); true and
+    # 1.0 trained at stage 1; "false" enabled fathom's bf16 checks while DeepSpeed trained in fp32 (issue 50)
+    'zero_optimization.stage="1"': "zero_optimization.stage: expected an integer, got '1'",
+    "zero_optimization.stage=true": "zero_optimization.stage: expected an integer, got True",
+    "zero_optimization.stage=1.0": "zero_optimization.stage: expected an integer, got 1.0",
+    "zero_optimization.reduce_bucket_size=true": "zero_optimization.reduce_bucket_size: expected an integer, got True",
+    "zero_optimization.offload_optimizer.pin_memory=1": "zero_optimization.offload_optimizer.pin_memory: expected "
+    "true or false, got 1",
+    'bf16.enabled="false"': "bf16.enabled: expected true or false, got 'false'",
+    "csv_monitor.enabled=1": "csv_monitor.enabled: expected true or false, got 1",
+    'timers.throughput.enabled="no"': "timers.throughput.enabled: expected true or false, got 'no'",
+    # read by DeepSpeed with a default, not by pydantic: it failed on `'str' | 'bool'`, naming no key
+    'wall_clock_breakdown="yes"': "wall_clock_breakdown: expected true or false, got 'yes'",
+    'gradient_predivide_factor="2"': "gradient_predivide_factor: expected float, got '2'",
+    'pipeline.use_reentrant="false"': "pipeline.use_reentrant: expected true or false, got 'false'",
+    "pipeline.pipe_partitioned=0": "pipeline.pipe_partitioned: expected true or false, got 0",
 }
 
 

@@ -1,11 +1,13 @@
 """The docs agree with the code: docs/TRAINING.md's table of config keys names every key of the model,
-data and train sections, and only keys that exist (docs/SCHEMES.md's table is checked in test_cli.py)."""
+data and train sections, and only keys that exist, and its table of DeepSpeed's sections every key fathom
+applies or refuses (docs/SCHEMES.md's table is checked in test_cli.py)."""
 
 import dataclasses
 import re
 import typing
 
 from model.model_config import ModelConfig
+from pipeline.config.deepspeed_sections import APPLIED, REFUSED
 from pipeline.config.run_config import DataConfig, TrainConfig
 from tests.helpers import ROOT
 
@@ -80,3 +82,17 @@ def test_a_nested_sections_row_names_each_of_its_keys():
             missing = [f.name for f in dataclasses.fields(inner) if f"`{f.name}`" not in rows[key]]
             assert missing == [], f"docs/TRAINING.md's row for {key} does not name {missing}"
     assert checked, "no nested section is documented in one row"
+
+
+def test_the_deepspeed_table_names_each_key_as_applied_or_refused():
+    """Each DeepSpeed key pipeline/config/deepspeed_sections.py decides has a row of docs/TRAINING.md's
+    table of DeepSpeed's sections, which says "refused" exactly for the refused ones."""
+    text = (ROOT / "docs" / "TRAINING.md").read_text()
+    table = text[text.index("### DeepSpeed's sections in fathom's engine") :]
+    rows = {}
+    for line in table[table.index("| key |") :].split("\n\n")[0].splitlines()[2:]:
+        first, what = line.split(" | ", 1)
+        rows.update(dict.fromkeys(re.findall(r"`([^`]+)`", first), what))
+    decided = APPLIED.keys() | REFUSED.keys()
+    assert sorted(decided - rows.keys()) == []
+    assert sorted(key for key in decided if rows[key].startswith("refused") != (key in REFUSED)) == []

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from common.errors import ConfigError
-from common.sections import START_ONLY
+from common.sections import APPLIED, START_ONLY, OnResume
 from model import SCHEMES, ModelConfig, NormScheme
 from model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
 from model.norms import ScheduleHook, branchnorm_alpha, build_scheme, deepnorm_constants, sub_ln_gain, t_fixup_scale
 from model.transformer import Transformer
-from pipeline.checkpoint.saving import start_only_settings
+from pipeline.config.resume_rules import settings_with
 
 
 def config(scheme: str, **kw) -> ModelConfig:
@@ -277,10 +277,10 @@ def test_a_scheme_declares_the_options_a_resume_may_not_change(monkeypatch):
         @dataclass
         class Options:
             warmup: int = field(default=0, metadata=START_ONLY)
-            scale: float = 1.0
+            scale: float = field(default=1.0, metadata=APPLIED)
 
     monkeypatch.setitem(SCHEMES, Profiled.name, Profiled)
-    settings = start_only_settings()
+    settings = settings_with(OnResume.START_ONLY)
     assert {"train.init_from", "train.init_step", "model.admin.profile", "model.profiled_test.warmup"} <= set(settings)
     assert "model.profiled_test.scale" not in settings
 

@@ -308,11 +308,15 @@ def test_admin_profiles_with_dropout_through_the_stages_when_asked(tmp_path):
 
 def test_resume_matches_uninterrupted_run(tmp_path):
     """Default config (BranchNorm, dropout, 2 stages, ZeRO-1, checkpointing), shortened: T = 8 so alpha
-    still moves when the run is cut at step 6."""
+    still moves when the run is cut at step 6. The uninterrupted run also has DeepSpeed's sections that
+    report (pipeline/config/deepspeed_sections.py) on, and each shows its output in fathom's engine."""
     common = ["model.branchnorm.T=8", "train.save_interval=3", "train.log_interval=1", "data.synthetic.sentences=500"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     monitor = json.dumps({"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "full"})
-    assert train(full, *common, "train.max_steps=12", f"csv_monitor={monitor}").returncode == 0
+    reports = ['comms_logger={"enabled": true}', "steps_per_print=1", "memory_breakdown=true", "dump_state=true",
+               "log_level=info"]  # fmt: skip
+    uninterrupted = train(full, *common, "train.max_steps=12", f"csv_monitor={monitor}", *reports)
+    assert uninterrupted.returncode == 0
     assert train(cut, *common, "train.max_steps=6").returncode == 0
     resumed = train(cut, *common, "train.max_steps=12", resume=True)
     assert resumed.returncode == 0
@@ -335,6 +339,18 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # DeepSpeed's own monitor, enabled from the config, logs the same losses.
     csv = (tmp_path / "csv" / "full" / "Train_Samples_train_loss.csv").read_text().splitlines()
     assert len(csv) == 1 + 12 and float(csv[-1].split(",")[1]) == pytest.approx(expected[-1]["loss"], abs=1e-4)
+    # Its learning rate, by samples (32 a step), is the one after the step's scheduler step: the rate the next
+    # step trains with, which metrics.jsonl logs at that next step (docs/TRAINING.md).
+    rates = [line.split(",") for line in (tmp_path / "csv" / "full" / "Train_Samples_lr.csv").read_text().split()[1:]]
+    assert [int(samples) for samples, _ in rates] == [32 * r["step"] for r in expected]
+    assert [float(lr) for _, lr in rates[:-1]] == pytest.approx([r["lr"] for r in expected[1:]])
+    assert len({r["lr"] for r in expected}) > 5  # the warmup moves it every step
+    out = uninterrupted.stdout
+    assert f"steps: 12 loss: {expected[-1]['loss']:.4f}" in out  # steps_per_print
+    assert "Engine before forward" in out and "CPU Virtual Memory" in out  # memory_breakdown
+    assert "print_configuration] DeepSpeedEngine:" in out  # dump_state, at log_level info
+    summary = out[out.index("Comm. Op") :].split()  # comms_logger: DeepSpeed's table when the run ends
+    assert {"send", "recv", "broadcast"} <= set(summary)
 
 
 def test_every_scheme_resumes_exactly(tmp_path):

@@ -17,22 +17,25 @@ from typing import Any
 
 from common.checkpoint_format import DATA_POSITION
 from common.errors import ConfigError
+from common.sections import OnResume
 from corpus.batches import BatchSize, ParallelCorpus, epoch_length
 from pipeline.config.deepspeed_values import accumulation
+from pipeline.config.history import read_back
+from pipeline.config.resume_rules import setting, settings_with
 from pipeline.config.run_config import RunConfig
 
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
 
 
 def data_order(cfg: RunConfig, corpus: ParallelCorpus) -> dict[str, Any]:
-    """What decides which pairs each micro-batch holds, by the config key that sets it, in the order a
-    change is reported."""
-    return {
-        "data.path": corpus.fingerprint(),
-        "data.max_tokens": cfg.batch_size.max_tokens,
-        MICRO_BATCH: cfg.batch_size.sentences,  # None under a token budget, which alone decides then
-        "train.seed": cfg.train.seed,
-    }
+    """What decides which pairs each micro-batch holds: the settings declared DATA_ORDER
+    (pipeline/config/resume_rules.py), by key, in the order a change is reported, as the order sees them:
+    data.path as the training pairs themselves (their checksums, or the synthetic task's settings: whichever
+    key changed them, it is reported as data.path), the micro-batch size as None under a token budget,
+    which alone decides then."""
+    config = read_back(cfg.to_dict())
+    seen_as = {"data.path": corpus.fingerprint(), MICRO_BATCH: cfg.batch_size.sentences}
+    return {key: seen_as[key] if key in seen_as else setting(config, key) for key in settings_with(OnResume.DATA_ORDER)}
 
 
 def position_record(consumed: int, per_epoch: int | None, order: dict[str, Any]) -> dict[str, Any]:

@@ -43,16 +43,17 @@ from common.checkpoint_format import (
 from common.errors import ConfigError
 from common.files import fsync_dir, save_file, unique_sibling, write_atomic
 from common.run_layout import BEST, CONFIG_FILE, LATEST, best_tag, latest_tag, leftovers, linked_best, step_tag
-from common.sections import start_only
+from common.sections import OnResume
 from corpus.batches import ParallelCorpus
 from corpus.dataset import PreparedData, check_vocab
-from model.norms import start_only_options
+from model.norms import scheme_options
 from model.trained import check_same_model, model_config
 from pipeline.checkpoint.data_position import resume_position, saved_position
 from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
 from pipeline.config.deepspeed_values import precision, zero_optimization_stage
 from pipeline.config.history import flat, read_back, shown
-from pipeline.config.run_config import RunConfig, TrainConfig
+from pipeline.config.resume_rules import deepspeed_rule, settings_with
+from pipeline.config.run_config import RunConfig
 from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
 from pipeline.launched import end_distributed
 
@@ -77,12 +78,9 @@ class CommittingCheckpointEngine(TorchCheckpointEngine):
 
 
 def install(engine: deepspeed.DeepSpeedEngine) -> None:
-    current = checkpoint_engine(engine)
-    if type(current) is not TorchCheckpointEngine:
-        raise ConfigError(
-            f"checkpoint: fathom's crash-safe commit works with DeepSpeed's default torch checkpoint engine, "
-            f"not {type(current).__name__}; remove the checkpoint writer settings"
-        )
+    # DeepSpeed's torch checkpoint engine: the config check refused every setting that picks another
+    # (checkpoint.writer, datastates_ckpt: pipeline/config/deepspeed_sections.py).
+    current: TorchCheckpointEngine = checkpoint_engine(engine)
     set_checkpoint_engine(engine, CommittingCheckpointEngine(current.zipfile_serialization))
 
 
@@ -241,8 +239,10 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
         check_vocab(save_dir, model_config(save_dir), corpus)
     check_same_model(save_dir, cfg.model, "--resume", "resume with the run's config, or choose another train.save_dir")
     trained = json.loads((save_dir / CONFIG_FILE).read_text())
-    before, now = flat(trained), flat(read_back(cfg.to_dict()))
-    for key in start_only_settings():
+    # a scheme's option left out is its default: the same setting as one written with that value
+    before = {**flat(trained), **scheme_options(model_config(save_dir))}
+    now = {**flat(read_back(cfg.to_dict())), **scheme_options(cfg.model)}
+    for key in settings_with(OnResume.START_ONLY):
         if before.get(key) != now.get(key):
             raise ConfigError(
                 f"--resume: {key} is {json.dumps(before.get(key))} in {save_dir} but {json.dumps(now.get(key))} "
@@ -294,24 +294,21 @@ def check_shape(
         )
 
 
-def start_only_settings() -> list[str]:
-    """The settings that act only when a run starts (common.sections.START_ONLY): the train section's and
-    every scheme's options."""
-    return [*start_only(TrainConfig, "train"), *start_only_options()]
-
-
-# Optimizer settings a resume applies from its first step (pipeline/train.py); the others decide the
-# layout of the optimizer state the checkpoint holds.
-HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 ENABLE = {"bf16": "bf16.enabled=true", "fp16": "fp16.enabled=true", "fp32": "bf16.enabled=false and fp16.enabled=false"}
 
 
 def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
-    """What decides the form of the optimizer state a checkpoint holds, by config key."""
-    optimizer = ds.get("optimizer", {})
-    params = {f"optimizer.params.{k}": v for k, v in optimizer.get("params", {}).items() if k not in HYPERPARAMETERS}
-    optimizer_type = str(optimizer.get("type", "")).lower()
-    return {"zero_optimization.stage": zero_optimization_stage(ds), "optimizer.type": optimizer_type, **params}
+    """What decides the form of the optimizer state a checkpoint holds: the DeepSpeed keys declared
+    OPTIMIZER_STATE (pipeline/config/resume_rules.py), by key, as the engine reads them (an unset ZeRO stage
+    is 0, the optimizer's name is in any case, an unset precision switch is off)."""
+    read = {
+        "zero_optimization.stage": zero_optimization_stage(ds),
+        "optimizer.type": str(ds.get("optimizer", {}).get("type", "")).lower(),
+        "bf16.enabled": precision(ds) == "bf16",
+        "fp16.enabled": precision(ds) == "fp16",
+    }
+    settings = {**flat(ds), **read}
+    return {key: value for key, value in settings.items() if deepspeed_rule(key) is OnResume.OPTIMIZER_STATE}
 
 
 def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any], state: dict[str, Any]) -> None:

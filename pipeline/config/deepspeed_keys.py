@@ -7,19 +7,28 @@ list of keys: DeepSpeedConfig parses the run's sections from a dict that records
 up, so a key it never looked at is one it does not know; its pydantic sections validate themselves;
 optimizer and scheduler arguments are compared with the signatures of the classes it will build.
 
-Why one file of ~300 lines: it is one concern, how the pinned DeepSpeed reads its config, and each
-part (the recording dict, the pydantic sections, the constructor signatures) needs the others.
+Values are held to the JSON type DeepSpeed reads them as, as strictly as fathom's own keys
+(common.sections.check_value): its pydantic sections would otherwise convert "1", true and 1.0 to a
+ZeRO stage and "false" to true, and what it reads with a default it uses as given (a string where it
+expects true or false failed inside its arithmetic, naming no key). A value read with a default must be
+of the default's type; one a pydantic section read must be of the type the section made of it.
+
+Why one file of ~400 lines: it is one concern, how the pinned DeepSpeed reads its config, and each
+part (the recording dict, the pydantic sections and what they read, the constructor signatures) needs
+the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
-from collections.abc import Callable, ItemsView, KeysView, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, KeysView, ValuesView
 from typing import Any
 
 from common.errors import ConfigError, closest
+from common.sections import check_value
 
 # Read outside DeepSpeedConfig, by deepspeed.initialize itself (deepspeed/__init__.py, 0.19.8).
 READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})
@@ -49,7 +58,12 @@ class Recording(dict):
 
     def get(self, key: Any, default: Any = None) -> Any:
         self._note(key)
-        return super().get(key, default)
+        value = super().get(key, default)
+        # A default of a JSON scalar type says what DeepSpeed computes with. (A string default may be a
+        # placeholder for values of other types, such as data_types.keep_in_fp32_modules' "auto".)
+        if dict.__contains__(self, key) and isinstance(default, bool | int | float):
+            check_value(value, type(default), self._child(key))
+        return value
 
     def __contains__(self, key: object) -> bool:
         self._note(key)
@@ -76,29 +90,39 @@ class Recording(dict):
         return twin
 
 
-def pipeline_keys() -> set[str]:
-    """The pipeline section's keys: DeepSpeedConfig's (it takes the section whole, over its defaults, so
-    it refuses none) and use_reentrant, which PipelineEngine reads itself. `partition` is fathom's too."""
+def pipeline_defaults() -> dict[str, Any]:
+    """The pipeline section's keys and DeepSpeed's defaults: DeepSpeedConfig's (it takes the section whole,
+    over its defaults, so it refuses none) and use_reentrant, which PipelineEngine reads itself (fathom's
+    default: false). `partition` is fathom's too."""
     from deepspeed.runtime.config import get_pipeline_config
 
-    return set(get_pipeline_config({})) | {"use_reentrant"}
+    return {**get_pipeline_config({}), "use_reentrant": False}
+
+
+def probe_config(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `ds` DeepSpeedConfig can parse before launch. DeepSpeed checks the batch sizes against the
+    size of whatever process group exists (none before launch: it assumes 1), and derives train_batch_size
+    when it is left out; pipeline/config/deepspeed_values.py checks it against the real data-parallel size."""
+    probe = copy.deepcopy(ds)
+    if "train_micro_batch_size_per_gpu" in probe:
+        probe.pop("train_batch_size", None)
+    return probe
 
 
 def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> None:
     """Every key of DeepSpeed's sections is one the pinned DeepSpeed reads, with a value it accepts."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    probe = copy.deepcopy(ds)
-    # DeepSpeed checks the batch sizes against the size of whatever process group exists (none before
-    # launch: it assumes 1), and derives train_batch_size when it is left out; pipeline/config/run_config.py has
-    # checked it against the real data-parallel size.
-    if "train_micro_batch_size_per_gpu" in probe:
-        probe.pop("train_batch_size", None)
+    probe = probe_config(ds)
     recording = Recording(probe)
-    try:
-        DeepSpeedConfig(recording)
-    except Exception as err:  # noqa: BLE001 (whatever DeepSpeed raises becomes one line)
-        raise ConfigError(deepspeed_error(err, probe, ds)) from None
+    with pydantic_reads() as reads:
+        try:
+            DeepSpeedConfig(recording)
+        except ConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 (whatever DeepSpeed raises becomes one line)
+            check_read_types(reads, recording)  # a value of another type may be what it failed on
+            raise ConfigError(deepspeed_error(err, probe, ds)) from None
     for path, value in sections(ds):
         if path in OWN_CHECKS or not isinstance(value, dict):
             continue
@@ -116,7 +140,80 @@ def check_deepspeed_keys(ds: dict[str, Any], our_sections: tuple[str, ...]) -> N
                     f"{closest(key, known)}"
                 )
             raise ConfigError(f"{path}.{key}: not a key DeepSpeed reads (it would ignore it){closest(key, known)}")
+    check_read_types(reads, recording)
     check_constructor_args(ds)
+
+
+@contextlib.contextmanager
+def pydantic_reads() -> Iterator[list[tuple[dict[str, Any], Any]]]:
+    """(the keyword arguments, the model built) of every pydantic section DeepSpeed builds meanwhile: what
+    it read, and what it made of each value."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    reads: list[tuple[dict[str, Any], Any]] = []
+    original = DeepSpeedConfigModel.__init__
+
+    def recorded(self: Any, strict: bool = False, **data: Any) -> None:
+        original(self, strict, **data)
+        reads.append((data, self))
+
+    DeepSpeedConfigModel.__init__ = recorded
+    try:
+        yield reads
+    finally:
+        DeepSpeedConfigModel.__init__ = original
+
+
+def check_read_types(reads: list[tuple[dict[str, Any], Any]], recording: Recording) -> None:
+    """Every value a pydantic section read is of the JSON type the section made of it (an integer stays
+    an integer, true or false a bool), or a ConfigError naming its key."""
+    nodes = recordings(recording)
+    for data, model in reads:
+        # The section the arguments came from: the one holding these very values (a section read whole
+        # is handed on as **section); a section DeepSpeed assembles itself (its monitors) holds sections.
+        parent = next((node.path for node in nodes if same_items(node, data)), None)
+        check_model_types(data, model, parent)
+
+
+def recordings(node: Recording) -> list[Recording]:
+    """`node` and every section in it, read without noting a key."""
+    found = [node]
+    for value in dict.values(node):
+        if isinstance(value, Recording):
+            found += recordings(value)
+    return found
+
+
+def same_items(node: Recording, data: dict[str, Any]) -> bool:
+    return dict.keys(node) == data.keys() and all(dict.__getitem__(node, k) is v for k, v in data.items())
+
+
+def check_model_types(raw: dict[str, Any], model: Any, path: str | None) -> None:
+    fields = type(model).model_fields
+    for key, value in dict.items(raw):
+        name = next((name for name, field in fields.items() if key in (name, field.alias)), None)
+        read = getattr(model, name, None) if name is not None else None  # a deprecated field is removed
+        check_read_as(value, read, f"{path}.{key}" if path else str(key))
+
+
+def check_read_as(raw: Any, read: Any, key: str) -> None:
+    """The config's value `raw` against what a pydantic section made of it, `read`."""
+    from pydantic import BaseModel
+
+    if isinstance(read, BaseModel):
+        if isinstance(raw, dict):
+            check_model_types(raw, read, key)
+    elif isinstance(read, list | tuple):
+        check_value(raw, list, key)
+        for index, (item, read_item) in enumerate(zip(raw, read, strict=False)):
+            check_read_as(item, read_item, f"{key}[{index}]")
+    elif isinstance(read, dict) and isinstance(raw, dict):
+        for item in raw.keys() & read.keys():
+            check_read_as(raw[item], read[item], f"{key}.{item}")
+    else:  # an enum's value (use_enum_values) or a subclass such as DeepSpeed's pp_int is its base type's
+        scalar = next((tp for tp in (bool, int, float, str) if isinstance(read, tp)), None)
+        if scalar is not None:
+            check_value(raw, scalar, key)
 
 
 def sections(ds: dict[str, Any], path: str = "") -> list[tuple[str, Any]]:

@@ -16,8 +16,10 @@ import torch
 from common.errors import ConfigError, unknown_key_error
 from common.machine import native_bf16_cpu
 from common.outputs import check_makeable
+from common.sections import check_value
 from model.model_config import ModelConfig
-from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_keys
+from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
+from pipeline.config.deepspeed_sections import check_sections
 from pipeline.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
@@ -37,14 +39,17 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
         _require_int(ds, key)  # before DeepSpeed's own check, whose message names only the product
     check_deepspeed_keys(ds, OUR_SECTIONS)
+    check_sections(ds, engine_config)
     check_monitors(ds)
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
-    known = pipeline_keys()
-    for key in pipeline:
+    known = pipeline_defaults()
+    for key, value in pipeline.items():
         if key not in known:
             raise unknown_key_error(f"pipeline.{key}", known)
+        if isinstance(known[key], bool | int):  # DeepSpeed's switches and counts; fathom checks the rest
+            check_value(value, type(known[key]), f"pipeline.{key}")
     stages = _require_int(pipeline, "stages", section="pipeline.")
     layers = cfg.encoder_layers + cfg.decoder_layers
     if stages > layers:
@@ -54,11 +59,6 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
     _require_int(pipeline, "activation_checkpoint_interval", minimum=0, section="pipeline.")
     _require_int(ds, "steps_per_print")
-    if ds.get("wall_clock_breakdown"):
-        raise ConfigError(
-            "wall_clock_breakdown: DeepSpeed's pipeline engine fails with it (a timer started twice); "
-            "set train.time_breakdown=true for each pipeline instruction's time per step"
-        )
     clipping = ds.get("gradient_clipping", 0.0)
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")

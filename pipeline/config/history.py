@@ -16,6 +16,8 @@ from typing import Any
 from common.files import write_atomic
 from common.jsonl import read_jsonl
 from common.run_layout import CONFIG_FILE, CONFIG_HISTORY
+from common.sections import OnResume
+from pipeline.config.resume_rules import settings_with
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -36,14 +38,11 @@ def shown(settings: dict[str, Any], key: str) -> str:
     return json.dumps(settings[key]) if key in settings else "unset"
 
 
-# Where the run lives, not how it trains: a run directory copied or moved elsewhere is the same run.
-LOCATION = ("train.save_dir",)
-
-
 def changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """`key old -> new` for every setting that differs, in key order."""
-    old, new = flat(before), flat(after)
-    keys = sorted(key for key in old.keys() | new.keys() if key not in LOCATION and shown(old, key) != shown(new, key))
+    """`key old -> new` for every setting that differs, in key order, but where the run lives (declared
+    LOCATION): a run directory copied or moved elsewhere is the same run."""
+    old, new, location = flat(before), flat(after), settings_with(OnResume.LOCATION)
+    keys = sorted(key for key in old.keys() | new.keys() if key not in location and shown(old, key) != shown(new, key))
     return [f"{key} {shown(old, key)} -> {shown(new, key)}" for key in keys]
 
 

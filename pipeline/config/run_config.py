@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.errors import ConfigError
-from common.sections import START_ONLY, parse_section
+from common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
 from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from model.model_config import ModelConfig
@@ -31,16 +31,18 @@ def check_no_tilde(path: str | None, key: str) -> None:
 
 @dataclass
 class DataConfig:
+    """The training data. Each field declares what --resume does with a change to it (OnResume)."""
+
     # A directory written by scripts/prepare_data.py, or a list of them: shards of one corpus, prepared
     # with one vocabulary (prepare_data --vocab-from the first), trained on as one corpus (ShardedCorpus);
     # validation and test come from the first. None trains on the built-in synthetic task.
-    path: str | list[str] | None = None
+    path: str | list[str] | None = field(default=None, metadata=DATA_ORDER)
     # Token budget per micro-batch (pairs grouped by length); None: train_micro_batch_size_per_gpu pairs.
-    max_tokens: int | None = None
+    max_tokens: int | None = field(default=None, metadata=DATA_ORDER)
     # Each side of a micro-batch padded to a multiple of this many tokens (fairseq's
     # --required-seq-len-multiple): fewer shapes for train.cuda_graphs to record, at the cost of pad tokens.
-    pad_to_multiple: int = 1
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    pad_to_multiple: int = field(default=1, metadata=APPLIED)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig, metadata=DATA_ORDER)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -82,18 +84,20 @@ class ValidBleu(SearchConfig):
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    save_dir: str = "checkpoints/run"
-    save_interval: int = 500
-    seed: int = 1
-    log_interval: int = 10
+    """How the run trains. Each field declares what --resume does with a change to it (OnResume)."""
+
+    max_steps: int = field(default=1000, metadata=APPLIED)
+    save_dir: str = field(default="checkpoints/run", metadata=LOCATION)
+    save_interval: int = field(default=500, metadata=APPLIED)
+    seed: int = field(default=1, metadata=DATA_ORDER)  # it also seeds the dropout masks
+    log_interval: int = field(default=10, metadata=APPLIED)
     # Validation loss every this many steps (0: never); the best checkpoint is kept under tag "best".
-    valid_interval: int = 0
+    valid_interval: int = field(default=0, metadata=APPLIED)
     # BLEU on the validation set at every validation, e.g. {"beam": 4, "lenpen": 0.6} (null: off).
-    valid_bleu: ValidBleu | None = None
+    valid_bleu: ValidBleu | None = field(default=None, metadata=APPLIED)
     # What "best" means: the lowest validation loss, or the highest validation BLEU.
-    best_metric: Literal["loss", "bleu"] = "loss"
-    label_smoothing: float = 0.1
+    best_metric: Literal["loss", "bleu"] = field(default="loss", metadata=APPLIED)
+    label_smoothing: float = field(default=0.1, metadata=APPLIED)
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
     init_from: str | None = field(default=None, metadata=START_ONLY)
@@ -105,33 +109,33 @@ class TrainConfig:
     # before the job ends naming the rank to blame (pipeline/safety/watchdog.py). Half an hour, torch's default
     # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on
     # a shared filesystem, and all a hung job then wastes. The backend waits 30 s longer.
-    hang_timeout: float = 1800.0
+    hang_timeout: float = field(default=1800.0, metadata=APPLIED)
     # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
     # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
     # (pipeline/safety/divergence.py).
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: Literal["stop", "skip"] = field(default="stop", metadata=APPLIED)
     # A resume goes on with the first micro-batch the run has not read, whatever its accumulation or shape.
     # Changing what puts pairs into micro-batches (the training data, data.max_tokens, the micro-batch size
     # without it, train.seed) leaves no such micro-batch: "refuse" such a resume (one line, before launch),
     # or "next_epoch": start the new order at the start of the epoch after the one the checkpoint was in
     # (pipeline/checkpoint/data_position.py).
-    on_data_change: Literal["refuse", "next_epoch"] = "refuse"
+    on_data_change: Literal["refuse", "next_epoch"] = field(default="refuse", metadata=APPLIED)
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
-    grad_norm_interval: int = 0
+    grad_norm_interval: int = field(default=0, metadata=APPLIED)
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
-    compile: bool = False
+    compile: bool = field(default=False, metadata=APPLIED)
     # Each Transformer layer replayed from CUDA graphs in training, a graph per input shape
     # (pipeline/cuda_graphs.py): one launch per layer instead of a hundred-odd. CUDA only; needs activation
     # checkpointing (pipeline.activation_checkpoint_interval >= 1).
-    cuda_graphs: bool = False
+    cuda_graphs: bool = field(default=False, metadata=APPLIED)
     # Each pipeline instruction's time (forward, backward, sends and receives, ...) per step and rank to
     # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/safety/time_breakdown.py).
-    time_breakdown: bool = False
+    time_breakdown: bool = field(default=False, metadata=APPLIED)
     # On CPUs, what glibc does with freed tensors (common/heap.py): "keep" them in its heap for the next
     # step (faster), or "return" them to the system (a lower peak, the one the memory planner predicts);
     # measured in docs/BENCHMARKS.md, "The CPU heap".
-    cpu_heap: Literal["keep", "return"] = "keep"
+    cpu_heap: Literal["keep", "return"] = field(default="keep", metadata=APPLIED)
 
     def __post_init__(self) -> None:
         if not self.save_dir.strip():

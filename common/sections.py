@@ -86,7 +86,9 @@ def check_value(value: Any, tp: Any, key: str) -> Any:
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        # JSON's 5e8 is a float to every parser: name the integer to write instead
+        written = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        raise ConfigError(f"{key}: expected an integer, got {value!r}{written}")
     if not isinstance(value, tp):
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     return value

@@ -280,7 +280,10 @@ VALUES = {
     # 1.0 trained at stage 1; "false" enabled fathom's bf16 checks while DeepSpeed trained in fp32 (issue 50)
     'zero_optimization.stage="1"': "zero_optimization.stage: expected an integer, got '1'",
     "zero_optimization.stage=true": "zero_optimization.stage: expected an integer, got True",
-    "zero_optimization.stage=1.0": "zero_optimization.stage: expected an integer, got 1.0",
+    "zero_optimization.stage=1.0": "zero_optimization.stage: expected an integer, got 1.0 (write 1)",
+    # DeepSpeed's examples write sizes as 5e8, which JSON reads as a float
+    "zero_optimization.reduce_bucket_size=5e8": "zero_optimization.reduce_bucket_size: expected an integer, got "
+    "500000000.0 (write 500000000)",
     "zero_optimization.reduce_bucket_size=true": "zero_optimization.reduce_bucket_size: expected an integer, got True",
     "zero_optimization.offload_optimizer.pin_memory=1": "zero_optimization.offload_optimizer.pin_memory: expected "
     "true or false, got 1",

@@ -147,18 +147,20 @@ def without_matplotlib(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))}
 
 
-def trained_in_process(cfg, ds: dict, prepare=None, steps: int = 3) -> tuple[list[float], list]:
+def trained_in_process(
+    cfg, ds: dict, prepare=None, steps: int = 3, deepspeeds: bool = False
+) -> tuple[list[float], list]:
     """Losses and final weights of `steps` steps of a one-stage engine of `cfg` built in this process
     (the process_group fixture), two micro-batches of different lengths a step, with fathom's dropout
     reseeding and stability guard (patch_training), as scripts/train.py runs it; `prepare(engine)` changes
-    the engine before it trains."""
+    the engine before it trains; `deepspeeds`: with DeepSpeed's own settings where fathom picks others."""
     import itertools
 
     from corpus.batches import DataPosition
     from pipeline.engine_patches import patch_training
     from tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
 
-    with built_engine(cfg, ds, "cpu") as engine:
+    with built_engine(cfg, ds, "cpu", deepspeeds) as engine:
         masks = patch_training(engine, cfg, seed=1, position=DataPosition(0, 0, 2, 1)).masks
         if prepare:
             prepare(engine)

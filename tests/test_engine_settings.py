@@ -8,7 +8,7 @@ import torch
 from model.model_config import ModelConfig
 from pipeline.config.deepspeed_values import engine_config
 from tests.helpers import trained_in_process
-from tools.step_profile import deepspeeds_settings, use_deepspeeds_own
+from tools.step_profile import use_deepspeeds_own
 
 
 def test_defaults_fill_only_what_the_config_leaves_out():
@@ -44,7 +44,7 @@ def trained(cfg: ModelConfig, deepspeeds_defaults: bool, bf16: bool) -> tuple[li
     }  # fmt: skip
     if not deepspeeds_defaults:
         return trained_in_process(cfg, ds)
-    return trained_in_process(cfg, deepspeeds_settings(ds), use_deepspeeds_own)
+    return trained_in_process(cfg, ds, use_deepspeeds_own, deepspeeds=True)
 
 
 @pytest.mark.slow  # builds and trains DeepSpeed's engine

@@ -37,7 +37,6 @@ compile; and on a GPU engine-graphed, every Transformer layer replayed from CUDA
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import itertools
 import statistics
@@ -149,15 +148,6 @@ def profile_config(bench: ProfileBench) -> dict[str, Any]:
     }
 
 
-def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
-    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; what fathom replaces in
-    a built engine, use_deepspeeds_own puts back."""
-    ds = copy.deepcopy(ds)
-    ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
-    ds["timers"] = {"throughput": {"enabled": True}}
-    return ds
-
-
 def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:
     """DeepSpeed's own code where build_engine and DropoutMasks install fathom's: its checkpoint function
     (non_reentrant_checkpoint, what pipeline.use_reentrant=false selects), ZeRO's gradient scans and its
@@ -174,8 +164,7 @@ def engine_step(
     """The engine as scripts/train.py runs it, or with DeepSpeed's own settings where fathom picks
     others (docs/TRAINING.md), or with its layers compiled (train.compile) or replayed from CUDA graphs
     (train.cuda_graphs)."""
-    ds = deepspeeds_settings(profile_config(bench)) if deepspeeds else profile_config(bench)
-    with built_engine(bench.model, ds, bench.device) as engine:
+    with built_engine(bench.model, profile_config(bench), bench.device, deepspeeds) as engine:
         # the dropout masks, the stability guard's per-layer output checks and its check before the update
         masks = patch_training(engine, bench.model, seed=1, position=DataPosition(0, 0, bench.micro_batches, 1)).masks
         if deepspeeds:

@@ -20,6 +20,7 @@ matmul peak of bf16 and autocast is bf16's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import io
 import itertools
@@ -277,12 +278,27 @@ def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
     }
 
 
+def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
+    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; what fathom replaces in
+    a built engine, use_deepspeeds_own (tools/step_profile.py) puts back."""
+    ds = copy.deepcopy(ds)
+    ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
+    ds["timers"] = {"throughput": {"enabled": True}}
+    return ds
+
+
 @contextlib.contextmanager
-def built_engine(cfg: ModelConfig, ds: dict[str, Any], device: str) -> Iterator[deepspeed.PipelineEngine]:
+def built_engine(
+    cfg: ModelConfig, ds: dict[str, Any], device: str, deepspeeds: bool = False
+) -> Iterator[deepspeed.PipelineEngine]:
     """scripts/train.py's engine of `cfg` with DeepSpeed config `ds` at one stage, in this process, on its
-    accelerator's device (init_single_process puts that on `device`); train_batch moves batches there."""
+    accelerator's device (init_single_process puts that on `device`); train_batch moves batches there.
+    `deepspeeds`: built with DeepSpeed's own values where fathom picks others (deepspeeds_settings), once
+    `ds` passed the run's checks, which refuse one of them (the throughput timer) in a config."""
     init_single_process(device)
     check_deepspeed(ds, cfg, world_size=1)
+    if deepspeeds:
+        ds = deepspeeds_settings(ds)
     # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
     with contextlib.redirect_stdout(io.StringIO()):
         engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))

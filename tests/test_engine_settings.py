@@ -56,3 +56,19 @@ def test_fathoms_settings_train_what_deepspeeds_defaults_train(process_group, bf
     ours, theirs = (trained(cfg, deepspeeds_defaults, bf16) for deepspeeds_defaults in (False, True))
     assert ours[0] == theirs[0] and len(set(ours[0])) == len(ours[0])  # the losses, and the model trained
     assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1], strict=True))
+
+
+@pytest.mark.slow  # builds and trains DeepSpeed's engine
+def test_memory_breakdown_reports_in_fathoms_engine(process_group, capfd):
+    """DeepSpeed's memory_breakdown prints its memory lines around each micro-batch of fathom's engine. In
+    process, for one step: it collects garbage at every line, which made a 12-step launch 3x slower."""
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20)  # fmt: skip
+    ds = {
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**9, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1}, "pipeline": {"stages": 1}, "memory_breakdown": True,
+    }  # fmt: skip
+    trained_in_process(cfg, ds, steps=1)
+    out = capfd.readouterr().out
+    assert out.count("Engine before forward") == 2 and "CPU Virtual Memory" in out  # one per micro-batch

@@ -313,8 +313,8 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     common = ["model.branchnorm.T=8", "train.save_interval=3", "train.log_interval=1", "data.synthetic.sentences=500"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     monitor = json.dumps({"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "full"})
-    reports = ['comms_logger={"enabled": true}', "steps_per_print=1", "memory_breakdown=true", "dump_state=true",
-               "log_level=info"]  # fmt: skip
+    # memory_breakdown is test_engine_settings.py's: it collects garbage at every line, 3x this run's time
+    reports = ['comms_logger={"enabled": true}', "steps_per_print=1", "dump_state=true", "log_level=info"]
     uninterrupted = train(full, *common, "train.max_steps=12", f"csv_monitor={monitor}", *reports)
     assert uninterrupted.returncode == 0
     assert train(cut, *common, "train.max_steps=6").returncode == 0
@@ -347,7 +347,6 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert len({r["lr"] for r in expected}) > 5  # the warmup moves it every step
     out = uninterrupted.stdout
     assert f"steps: 12 loss: {expected[-1]['loss']:.4f}" in out  # steps_per_print
-    assert "Engine before forward" in out and "CPU Virtual Memory" in out  # memory_breakdown
     assert "print_configuration] DeepSpeedEngine:" in out  # dump_state, at log_level info
     summary = out[out.index("Comm. Op") :].split()  # comms_logger: DeepSpeed's table when the run ends
     assert {"send", "recv", "broadcast"} <= set(summary)

@@ -29,6 +29,7 @@ from pipeline.preflight import check_run
 from pipeline.train import parse_args as parse_train_args
 from tests.helpers import ROOT, edit_prepared, launch, write_slice
 from tools.translation_speed import search_flags
+from translation.generate import main as generate_main
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -164,15 +165,10 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
     for case in EXPORTED:
         for subset in ["test", "valid"] if case == EXPORTED[0] else ["test"]:
             ours_file = tmp_path / f"{case}.{subset}.txt"
-            result = subprocess.run(
-                ["python", str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(runs / case)]
-                + ["--data", str(multi30k_slice), "--subset", subset, "--batch-size", str(search.batch_size)]
-                + ["--output", str(ours_file)],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
+            generate_main(
+                ["--checkpoint", str(runs / case), "--data", str(multi30k_slice), "--subset", subset]
+                + ["--batch-size", str(search.batch_size), "--output", str(ours_file)]
             )
-            assert result.returncode == 0, result.stderr[-3000:]
             theirs = fairseq_generate(fairseq_bin, exported[case], subset, search)
             ours = ours_file.read_text(encoding="utf-8").splitlines()
             assert len(theirs) == len(ours) == {"test": 50, "valid": 60}[subset], case

@@ -7,10 +7,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from fathom.model.dropout import Dropout
+from fathom.model.model_config import PAD
 from torch import nn
-
-from model.dropout import Dropout
-from model.model_config import PAD
 
 
 @functools.lru_cache(maxsize=8)

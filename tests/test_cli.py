@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from fathom.model import SCHEMES, ModelConfig, Transformer
+from fathom.translation.generate import main as generate_main
 
-from model import SCHEMES, ModelConfig, Transformer
 from tests.helpers import ROOT, without_matplotlib, write_run
-from translation.generate import main as generate_main
 
 
 def run_generate(capsys, *args):

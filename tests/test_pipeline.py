@@ -9,20 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from fathom.common.run_layout import PROFILE_FILE
+from fathom.corpus.batches import MicroBatches, eval_batches, with_eos
+from fathom.model import SCHEMES
+from fathom.model.admin import admin_residuals, apply_omegas, omegas_from, profile
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import PAD
+from fathom.model.norms import ScheduleHook
+from fathom.model.search import SearchConfig, beam_search
+from fathom.model.trained import load_reference, model_config
+from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
+from fathom.pipeline.partition import stage_bounds
+from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
+from fathom.pipeline.train import profile_batch
 
-from common.run_layout import PROFILE_FILE
-from corpus.batches import MicroBatches, eval_batches, with_eos
-from model import SCHEMES
-from model.admin import admin_residuals, apply_omegas, omegas_from, profile
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import PAD
-from model.norms import ScheduleHook
-from model.search import SearchConfig, beam_search
-from model.trained import load_reference, model_config
-from pipeline.config.run_config import build_corpus, load_config, resolve_run
-from pipeline.partition import stage_bounds
-from pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
-from pipeline.train import profile_batch
 from tests.helpers import ROOT, launch
 from tests.workers.parity import SEARCH
 

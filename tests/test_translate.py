@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from fathom.corpus.dataset import PreparedData
+from fathom.corpus.prepare import main as prepare_main
+from fathom.model import ModelConfig, Transformer
+from fathom.tools.translation_speed import main as bench_translate_main
+from fathom.translation.generate import main as generate_main
+from fathom.translation.generate import parse_args as parse_generate_args
+from fathom.translation.generate import translate as generate_translate
+from fathom.translation.translate import main as translate_main
+from fathom.translation.translate import search_config
 
-from corpus.dataset import PreparedData
-from corpus.prepare import main as prepare_main
-from model import ModelConfig, Transformer
 from tests.helpers import ROOT, write_run, write_slice
-from tools.translation_speed import main as bench_translate_main
-from translation.generate import main as generate_main
-from translation.generate import parse_args as parse_generate_args
-from translation.generate import translate as generate_translate
-from translation.translate import main as translate_main
-from translation.translate import search_config
 
 # A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and
 # these untrained models run every hypothesis to the limit, so batch sizes could not be compared.
@@ -314,7 +314,7 @@ def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path
     output renamed each other's file away (FileNotFoundError), e.g. two runs decoding into one file."""
     output, start = tmp_path / "out.txt", time.time() + 8  # both writing at once, once imported
     code = (
-        "import sys, time; from pathlib import Path; from common.files import write_atomic\n"
+        "import sys, time; from pathlib import Path; from fathom.common.files import write_atomic\n"
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
         "while time.time() < float(sys.argv[3]) + 2: write_atomic(Path(sys.argv[1]), sys.argv[2] * 20000)"
     )

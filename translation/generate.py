@@ -18,19 +18,20 @@ import sys
 import time
 from pathlib import Path
 
-from common.errors import exit_on_config_error
-from common.files import write_atomic
-from common.heap import keep_freed_blocks
-from common.outputs import check_writable_file
-from corpus.batches import fairseq_batches
-from corpus.dataset import BinarizedCorpus
-from corpus.text import read_lines
-from model.search import SearchConfig
-from translation.translate import Translator, add_model_args, print_scores, search_config
+from fathom.common.cli import command_parser
+from fathom.common.errors import exit_on_config_error
+from fathom.common.files import write_atomic
+from fathom.common.heap import keep_freed_blocks
+from fathom.common.outputs import check_writable_file
+from fathom.corpus.batches import fairseq_batches
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.corpus.text import read_lines
+from fathom.model.search import SearchConfig
+from fathom.translation.translate import Translator, add_model_args, print_scores, search_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     add_model_args(parser)
     parser.add_argument("--subset", default="test")
     parser.add_argument("--output", default=None, help="hypotheses file (default: SAVE_DIR/generate-SUBSET.txt)")

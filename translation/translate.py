@@ -22,20 +22,20 @@ from typing import TextIO
 
 import sentencepiece as spm
 import torch
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import write_atomic
+from fathom.common.heap import keep_freed_blocks
+from fathom.common.outputs import check_writable_file
+from fathom.corpus.batches import length_batches, with_eos
+from fathom.corpus.dataset import PreparedData, check_vocab
+from fathom.corpus.text import blank, decode_lines, read_lines
+from fathom.model.model_config import DTYPES
+from fathom.model.search import Hypothesis, SearchConfig, beam_search
+from fathom.model.trained import load_reference
+from fathom.model.transformer import Transformer
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
-
-from common.errors import ConfigError, exit_on_config_error
-from common.files import write_atomic
-from common.heap import keep_freed_blocks
-from common.outputs import check_writable_file
-from corpus.batches import length_batches, with_eos
-from corpus.dataset import PreparedData, check_vocab
-from corpus.text import blank, decode_lines, read_lines
-from model.model_config import DTYPES
-from model.search import Hypothesis, SearchConfig, beam_search
-from model.trained import load_reference
-from model.transformer import Transformer
 
 SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 
@@ -127,7 +127,7 @@ class Translator:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     add_model_args(parser)
     parser.add_argument("--input", default=None, help="one sentence a line (default: stdin)")
     parser.add_argument("--output", default=None, help="translations, one a line (default: stdout)")

@@ -16,8 +16,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from common.errors import ConfigError
-from pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, probe_config
+from fathom.common.errors import ConfigError
+from fathom.pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, probe_config
 
 # Keys DeepSpeed's engine applies in fathom's, and what they do there.
 APPLIED = {

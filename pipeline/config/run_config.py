@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from common.errors import ConfigError
-from common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
-from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
-from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
-from model.model_config import ModelConfig
-from model.norms import model_section, parse_model
-from model.search import SearchConfig
-from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
+from fathom.common.errors import ConfigError
+from fathom.common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
+from fathom.corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
+from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import model_section, parse_model
+from fathom.model.search import SearchConfig
+from fathom.pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
 
 def check_no_tilde(path: str | None, key: str) -> None:

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.files import write_atomic
-from common.jsonl import read_jsonl, write_record
+from fathom.common.files import write_atomic
+from fathom.common.jsonl import read_jsonl, write_record
 
 
 class MetricsLog:

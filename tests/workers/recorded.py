@@ -2,8 +2,7 @@
 replays write the layer's results into fixed buffers, which the next replay overwrites, as a graph's do."""
 
 import torch
-
-from pipeline.cuda_graphs import Recording
+from fathom.pipeline.cuda_graphs import Recording
 
 # data_ptr -> parameter: the layer's own parameters, which a replay differentiates to where the graphs
 # write the gradients of the stand-ins they were recorded with

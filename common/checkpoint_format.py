@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.common.files import write_atomic
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fathom.common.checkpoint_format import (
     file_damage,
     global_step,

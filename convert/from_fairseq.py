@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fathom.common.checkpoint_format import layer_file
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error

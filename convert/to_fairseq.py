@@ -29,6 +29,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
 from fathom.common.checkpoint_format import global_step, layer_file, load_file, schedule_step
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
@@ -45,8 +48,6 @@ from fathom.model.trained import missing_layer_files, model_config
 from fathom.pipeline.config.history import config_at
 from fathom.pipeline.config.run_config import TrainConfig
 from fathom.pipeline.stage_modules import PipePart, pipe_parts
-from torch import nn
-from tqdm import tqdm
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"

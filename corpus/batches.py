@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.model.model_config import EOS, NUM_SPECIAL, PAD
 

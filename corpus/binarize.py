@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+
 from fathom.corpus.filters import Pairs, Setting, apply
 from fathom.corpus.text import decode_line
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.common.files import write_atomic
 from fathom.common.run_layout import DICTIONARIES_FILE, META_FILE

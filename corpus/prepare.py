@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+from tqdm import tqdm
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_number, exit_on_config_error
 from fathom.common.files import staged
@@ -37,7 +39,6 @@ from fathom.corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode
 from fathom.corpus.dataset import Dictionary, PreparedData, file_record
 from fathom.corpus.text import decode_line, find_file, raw_lines
 from fathom.model.model_config import UNK
-from tqdm import tqdm
 
 SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length sentence (1.4 GB here)
 SPM_SEED = 1

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece as spm
+
 from fathom.common.errors import ConfigError
 from fathom.corpus.text import decode_line, raw_lines
 

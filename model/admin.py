@@ -28,13 +28,14 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from fathom.common.errors import ConfigError
 from fathom.common.files import write_atomic
 from fathom.common.run_layout import PROFILE_FILE
 from fathom.model.layers import SUBLAYERS
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import AdminResidual
-from torch import nn
 
 # sublayer name -> (Var[input], Var[branch output])
 Variances = dict[str, tuple[float, float]]

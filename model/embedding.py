@@ -7,9 +7,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fathom.model.dropout import Dropout
 from fathom.model.model_config import PAD
-from torch import nn
 
 
 @functools.lru_cache(maxsize=8)

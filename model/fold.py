@@ -22,13 +22,14 @@ from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import torch
+from torch import nn
+
 from fathom.common.errors import ConfigError
 from fathom.model.embedding import Embedding, sinusoidal_table
 from fathom.model.layers import SUBLAYERS, Sublayer, TransformerLayer
 from fathom.model.norms import Residual, build_scheme
 from fathom.model.parts import module_names
 from fathom.model.transformer import Transformer
-from torch import nn
 
 # An omega entry this close to 0 would put a huge 1/omega into the next projections.
 SMALLEST_SCALE = 1e-6

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from fathom.model.model_config import EOS, PAD
 from fathom.model.search import Hypothesis, SearchConfig, max_length
 from fathom.model.transformer import Transformer

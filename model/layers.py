@@ -16,11 +16,12 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from fathom.model.cache import AttentionCache, KeysValues, LayerCache
 from fathom.model.dropout import Dropout
 from fathom.model.model_config import PAD, ModelConfig
 from fathom.model.norms import NormScheme, Side
-from torch import nn
 
 
 def key_mask(tokens: torch.Tensor) -> torch.Tensor:

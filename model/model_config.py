@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.common.sections import APPLIED, WEIGHTS
 

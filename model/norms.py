@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
 from fathom.common.errors import ConfigError
 from fathom.common.sections import APPLIED, START_ONLY, OnResume, parse_section, resume_rules
 from fathom.model.model_config import ModelConfig
-from torch import nn
 
 Side = Literal["encoder", "decoder"]
 Branch = Callable[[torch.Tensor], torch.Tensor]

@@ -14,11 +14,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from fathom.model.embedding import Embedding
 from fathom.model.layers import DecoderLayer, EncoderLayer
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import build_scheme
-from torch import nn
 
 
 @dataclass(frozen=True)

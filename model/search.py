@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
 from fathom.common.errors import ConfigError
 from fathom.model.cache import DecoderCache, sentences_of
 from fathom.model.model_config import EOS, PAD

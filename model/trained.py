@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from fathom.common.checkpoint_format import layer_file, load_file, schedule_step
 from fathom.common.errors import ConfigError
 from fathom.common.run_layout import CONFIG_FILE, checkpoint_dir

@@ -8,11 +8,12 @@ decoder.output_projection, ...), and a pipeline checkpoint loads into it layer b
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from fathom.model.cache import DecoderCache
 from fathom.model.embedding import Embedding
 from fathom.model.model_config import ModelConfig
 from fathom.model.parts import build_parts, model_parts
-from torch import nn
 
 
 class Encoder(nn.Module):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import deepspeed
 import torch.distributed as dist
+from torch import nn
+
 from fathom.common.run_layout import PROFILE_FILE
 from fathom.corpus.batches import MicroBatch
 from fathom.model.admin import (
@@ -26,7 +28,6 @@ from fathom.model.admin import (
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import AdminResidual, build_scheme
 from fathom.model.parts import saved_names
-from torch import nn
 
 
 def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResidual]:

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor, nn
+
 from fathom.common.errors import ConfigError
 from fathom.model.layers import TransformerLayer
 from fathom.model.norms import BranchScaled
 from fathom.pipeline.dropout_masks import device_generator
-from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from fathom.pipeline.config.run_config import RunConfig

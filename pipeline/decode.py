@@ -26,6 +26,9 @@ import sentencepiece as spm
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
+from sacrebleu.metrics import BLEU
+from torch import nn
+
 from fathom.common.files import write_atomic
 from fathom.corpus.batches import ParallelCorpus, length_batches, with_eos
 from fathom.corpus.dataset import BinarizedCorpus
@@ -37,8 +40,6 @@ from fathom.model.parts import model_parts, module_names
 from fathom.model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
 from fathom.pipeline.config.run_config import ValidBleu
 from fathom.pipeline.deepspeed_internals import built_stage_bounds
-from sacrebleu.metrics import BLEU
-from torch import nn
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

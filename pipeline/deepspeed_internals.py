@@ -24,8 +24,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngi
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
 from deepspeed.runtime.zero.utils import get_norm_dtype
-from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 from torch import Tensor, nn
+
+from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 
 SUPPORTED_VERSION = "0.19.8"
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import deepspeed
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
 from fathom.corpus.batches import DataPosition
 from fathom.pipeline.deepspeed_internals import (
     replace_stage_call,
@@ -32,8 +35,6 @@ from fathom.pipeline.deepspeed_internals import (
     stage_layers,
     wrap_instructions,
 )
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 
 def layer_seed(seed: int, micro_batch: int, layer: int) -> int:

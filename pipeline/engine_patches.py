@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+
 from fathom.corpus.batches import DataPosition
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.checkpoint import saving

@@ -21,6 +21,7 @@ from typing import NoReturn
 import deepspeed
 import torch
 import torch.distributed as dist
+
 from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig

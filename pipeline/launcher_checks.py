@@ -22,6 +22,7 @@ from pathlib import Path
 
 from deepspeed.accelerator import get_accelerator
 from deepspeed.launcher import runner
+
 from fathom.common.cli import versions
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.pipeline.preflight import check_run

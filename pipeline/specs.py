@@ -8,6 +8,7 @@ keeps its copies in step.
 from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.stage_modules import PipePart, pipe_parts
 

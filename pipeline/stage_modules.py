@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import Tensor, nn
+
 from fathom.model.embedding import Embedding
 from fathom.model.layers import DecoderLayer, EncoderLayer
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import NormScheme
 from fathom.model.parts import Part, model_parts
-from torch import Tensor, nn
 
 Activations = tuple[Tensor, ...]
 

@@ -19,6 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
+
 from fathom.common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
 from fathom.common.cli import command_parser
 from fathom.common.errors import exit_on_config_error

@@ -10,6 +10,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+
 from fathom.common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
 from fathom.common.heap import heap_for_decoding
 from fathom.common.run_layout import TRANSLATIONS, linked_best

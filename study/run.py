@@ -97,8 +97,9 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's), with
     the study's search settings."""
-    from fathom.translation.generate import parse_args, translate
     from sacrebleu.metrics import BLEU
+
+    from fathom.translation.generate import parse_args, translate
 
     args = parse_args(
         ["--checkpoint", str(save_dir), "--data", str(cfg.data.directory), "--subset", "valid", "--device", "cpu"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.model_config import EOS, PAD

@@ -118,6 +118,7 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
     import json
 
     import torch
+
     from fathom.common.checkpoint_format import layer_file
     from fathom.model.trained import saved_layers
 

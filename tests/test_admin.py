@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.model.admin import (
     admin_residuals,
@@ -16,7 +17,6 @@ from fathom.model.admin import (
 )
 from fathom.model.layers import key_mask
 from fathom.model.transformer import Transformer
-
 from tests.test_norms import config
 
 

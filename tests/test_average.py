@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fathom.common.checkpoint_format import MANIFEST, global_step, layer_file, load_file, read_manifest
 from fathom.common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
 from fathom.convert.average import main
@@ -16,7 +17,6 @@ from fathom.model import Transformer
 from fathom.model.norms import BranchScaled, parse_model
 from fathom.model.parts import saved_names
 from fathom.model.trained import load_reference
-
 from tests.helpers import snapshot
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,

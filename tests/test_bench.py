@@ -11,15 +11,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
 from fathom.common.errors import ConfigError
 from fathom.model import ModelConfig, Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
 from fathom.tools.step_profile import ProfileBench, counted, profile_systems
 from fathom.tools.training_speed import check_device, gpu_check_summary, model_flops, plain_loop, synthetic_batch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
-
 from tests.helpers import ROOT
 
 TINY = ModelConfig(

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fathom.common.run_layout import META_FILE
 from fathom.tools.preparation_speed import WORK_STAMP, build_corpus, check_work, main
 from fathom.tools.process_sampling import run_sampled

@@ -1,6 +1,7 @@
 """scripts/bench_reshape.py: refuses a work directory holding anything before it trains, and tabulates its results."""
 
 import pytest
+
 from fathom.tools.reshape_cost import main, table
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fathom.common.checkpoint_format import (
     FORMAT,
     MANIFEST,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from fathom.common.checkpoint_format import (
     LOSS_PER_TOKEN,
     MANIFEST,
@@ -36,7 +37,6 @@ from fathom.pipeline.train import main
 from fathom.pipeline.validation import Best, validate
 from fathom.translation.generate import main as generate_main
 from fathom.translation.translate import main as translate_main
-
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
+
 from fathom.model import SCHEMES, ModelConfig, Transformer
 from fathom.translation.generate import main as generate_main
-
 from tests.helpers import ROOT, without_matplotlib, write_run
 
 

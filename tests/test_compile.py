@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.model.layers import compile_layers
 from fathom.model.model_config import ModelConfig
 from fathom.model.transformer import Transformer
 from fathom.pipeline import preflight
 from fathom.pipeline.train import parse_args
-
 from tests.helpers import ROOT, final_layers, launch, logged_steps, trained_in_process
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

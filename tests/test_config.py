@@ -10,6 +10,7 @@ import sys
 import typing
 
 import pytest
+
 from fathom.common import machine
 from fathom.common.checkpoint_format import MANIFEST
 from fathom.common.errors import ConfigError
@@ -27,7 +28,6 @@ from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
 from fathom.pipeline.config.history import record_config
 from fathom.pipeline.config.run_config import DataConfig, TrainConfig, ValidBleu, load_config
 from fathom.pipeline.train import main
-
 from tests.helpers import ROOT, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

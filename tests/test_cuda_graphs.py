@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.corpus.batches import collate
 from fathom.model import ModelConfig, Transformer
@@ -16,7 +17,6 @@ from fathom.model.norms import BranchScaled, PostNorm
 from fathom.pipeline import cuda_graphs
 from fathom.pipeline.config.run_config import resolve_run
 from fathom.pipeline.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
-
 from tests.helpers import ROOT, launch, trained_in_process
 from tests.workers.recorded import PARAMETERS, eager_record
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fathom.common.errors import ConfigError
 from fathom.corpus.batches import BatchSize, MicroBatches, epoch_batches, fairseq_batches
 from fathom.corpus.dataset import BinarizedCorpus, Dictionary, file_record
@@ -17,7 +18,6 @@ from fathom.corpus.prepare import main as prepare_main
 from fathom.model.model_config import EOS, NUM_SPECIAL, PAD
 from fathom.pipeline.train import main as train_main
 from fathom.translation.generate import main as generate_main
-
 from tests.helpers import MULTI30K, ROOT, write_slice
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
+
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from fathom.pipeline.deepspeed_internals import (
@@ -39,7 +40,6 @@ from fathom.pipeline.deepspeed_internals import (
 from fathom.pipeline.specs import layer_specs
 from fathom.pipeline.train import build_engine
 from fathom.tools.training_speed import synthetic_batch
-
 from tests.helpers import ROOT
 
 

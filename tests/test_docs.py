@@ -9,7 +9,6 @@ import typing
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
 from fathom.pipeline.config.run_config import DataConfig, TrainConfig
-
 from tests.helpers import ROOT
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.convert import from_fairseq, to_fairseq
 from fathom.corpus.batches import collate
@@ -28,7 +29,6 @@ from fathom.pipeline.preflight import check_run
 from fathom.pipeline.train import parse_args as parse_train_args
 from fathom.tools.translation_speed import search_flags
 from fathom.translation.generate import main as generate_main
-
 from tests.helpers import ROOT, edit_prepared, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.model import SCHEMES, ModelConfig
 from fathom.model.embedding import Embedding, sinusoidal_table

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 from deepspeed.launcher import runner
+
 from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline import launcher_checks
 from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world
 from fathom.pipeline.train import main as train_main
-
 from tests.helpers import ROOT
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fathom.corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
 from fathom.model.dropout import Dropout, keep_mask
 from fathom.model.embedding import Embedding, positions_of, sinusoidal_table

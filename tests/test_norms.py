@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+
 from fathom.common.errors import ConfigError
 from fathom.common.sections import APPLIED, START_ONLY, OnResume
 from fathom.model import SCHEMES, ModelConfig, NormScheme

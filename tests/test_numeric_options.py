@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from fathom.common.errors import int_list
 
+from fathom.common.errors import int_list
 from tests.helpers import ROOT
 
 SCRIPTS = sorted(path.stem for path in (ROOT / "scripts").glob("*.py"))

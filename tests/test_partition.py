@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 from deepspeed.runtime.utils import partition_balanced
+
 from fathom.model import ModelConfig
 from fathom.model.parts import model_parts
 from fathom.pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fathom.common.run_layout import PROFILE_FILE
 from fathom.corpus.batches import MicroBatches, eval_batches, with_eos
 from fathom.model import SCHEMES
@@ -22,7 +23,6 @@ from fathom.pipeline.config.run_config import build_corpus, load_config, resolve
 from fathom.pipeline.partition import stage_bounds
 from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
 from fathom.pipeline.train import profile_batch
-
 from tests.helpers import ROOT, launch
 from tests.workers.parity import SEARCH
 

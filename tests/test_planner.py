@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.run_config import load_config
 from fathom.planner.activation_trace import trace_layers
@@ -19,7 +20,6 @@ from fathom.planner.estimate import (
     parse_size,
     smallest_stage_count,
 )
-
 from tests.helpers import ROOT, launch
 
 TINY = [

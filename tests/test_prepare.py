@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from fathom.common.errors import ConfigError
 from fathom.corpus import prepare
 from fathom.corpus.dataset import BinarizedCorpus, ShardedCorpus
@@ -16,7 +17,6 @@ from fathom.corpus.prepare import main as prepare_main
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.train import main as train_main
 from fathom.tools.standin_corpus import write_standin
-
 from tests.helpers import ROOT, write_slice
 
 ARGS = ["--src", "de", "--tgt", "en"]

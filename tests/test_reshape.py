@@ -13,9 +13,10 @@ from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
-import fathom.pipeline.checkpoint.reshape as reshape
 import pytest
 import torch
+
+import fathom.pipeline.checkpoint.reshape as reshape
 from fathom.common.checkpoint_format import (
     MANIFEST,
     OPTIMIZER_FILE,
@@ -27,7 +28,6 @@ from fathom.common.checkpoint_format import (
 from fathom.common.errors import exit_on_config_error
 from fathom.common.run_layout import latest_step
 from fathom.pipeline.checkpoint.reshape import UNIVERSAL, Shape
-
 from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

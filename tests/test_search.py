@@ -3,9 +3,10 @@ greedy at beam 1, batch-independent, finished sentences leave the batch, exact o
 
 import functools
 
-import fathom.model.cache
 import pytest
 import torch
+
+import fathom.model.cache
 from fathom.corpus.batches import collate
 from fathom.model import SCHEMES, ModelConfig, Transformer
 from fathom.model.full_recompute_search import full_recompute_search

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from fathom.common.errors import ConfigError
 from fathom.common.run_layout import GRAD_NORMS_FILE
 from fathom.corpus.batches import MicroBatches
@@ -17,7 +18,6 @@ from fathom.model.trained import load_reference
 from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
 from fathom.pipeline.partition import stage_bounds
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT, describe
-
 from tests.helpers import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"

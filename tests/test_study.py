@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+
 from fathom.corpus.dataset import read_meta
 from fathom.pipeline.config.run_config import load_config
 from fathom.study.grid import (
@@ -29,7 +30,6 @@ from fathom.study.report import DIVERGED, STALLED, TRAINED, cell_list, cell_summ
 from fathom.study.run import check, run
 from fathom.study.run import main as study_main
 from fathom.study.source_use import unigram_nll
-
 from tests.helpers import ROOT, prepare_slice, without_matplotlib
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)

@@ -1,9 +1,9 @@
 """train.time_breakdown: each pipeline instruction's time per step and rank, logged and summed up."""
 
 import pytest
+
 from fathom.common.jsonl import read_jsonl
 from fathom.common.run_layout import TIME_BREAKDOWN_FILE
-
 from tests.helpers import ROOT, launch
 
 STEPS = 5

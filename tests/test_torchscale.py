@@ -5,10 +5,10 @@ import re
 
 import pytest
 import torch
+
 from fathom.model import ModelConfig, Transformer
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
 from fathom.tools.training_comparison import main as compare_main
-
 from tests.helpers import ROOT
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fathom.corpus.dataset import PreparedData
 from fathom.corpus.prepare import main as prepare_main
 from fathom.model import ModelConfig, Transformer
@@ -21,7 +22,6 @@ from fathom.translation.generate import parse_args as parse_generate_args
 from fathom.translation.generate import translate as generate_translate
 from fathom.translation.translate import main as translate_main
 from fathom.translation.translate import search_config
-
 from tests.helpers import ROOT, write_run, write_slice
 
 # A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and

@@ -29,6 +29,7 @@ from typing import Any
 
 import deepspeed
 import torch
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from fathom.common.files import write_atomic

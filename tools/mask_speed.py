@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import check_number, exit_on_config_error
 from fathom.corpus.batches import MicroBatches

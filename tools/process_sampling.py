@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
 from fathom.common.repo import ROOT
 
 SAMPLE_INTERVAL_S = 0.1

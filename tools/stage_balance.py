@@ -12,6 +12,8 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
+
 from fathom.corpus.batches import MicroBatch
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import ModelConfig
@@ -19,7 +21,6 @@ from fathom.model.parts import build_parts
 from fathom.pipeline.partition import stage_bounds
 from fathom.pipeline.stage_modules import pipe_parts
 from fathom.tools.training_speed import time_steps
-from torch import nn
 
 
 @dataclass

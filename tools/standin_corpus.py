@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from fathom.common.repo import ROOT
 from fathom.corpus.text import read_lines
 

@@ -49,6 +49,10 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+
 from fathom.common.errors import ConfigError
 from fathom.corpus.batches import DataPosition, MicroBatch
 from fathom.model.layers import compile_layers, compiler_missing
@@ -70,9 +74,6 @@ from fathom.tools.training_speed import (
     time_steps,
     to_device,
 )
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
-from torch.utils.checkpoint import checkpoint
 
 # the host's launch calls: a kernel, or a CUDA graph of many
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")

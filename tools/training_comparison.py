@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from deepspeed.runtime import lr_schedules
+from torch import nn
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.corpus.batches import MicroBatches, collate
@@ -28,7 +30,6 @@ from fathom.model.model_config import PAD
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
 from fathom.study.source_use import nll, with_shuffled_sources
 from fathom.tools.torchscale_peer import torchscale_model
-from torch import nn
 
 ENCODER_SPREAD_SENTENCES = 64
 

@@ -38,6 +38,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from torch import nn
+
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
 from fathom.common.ports import free_port
@@ -54,7 +56,6 @@ from fathom.pipeline.deepspeed_internals import clear_pipe_buffers
 from fathom.pipeline.launched import release_shm_buffer
 from fathom.pipeline.train import build_engine
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
-from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
 # What our plain loop ("fathom") can be compared with; bf16-weights: ours in pure bf16 whatever the precision.

@@ -34,6 +34,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
 from fathom.common.heap import decoding_env, keep_freed_blocks

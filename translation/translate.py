@@ -22,6 +22,9 @@ from typing import TextIO
 
 import sentencepiece as spm
 import torch
+from sacrebleu.metrics import BLEU, CHRF
+from tqdm import tqdm
+
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import write_atomic
@@ -34,8 +37,6 @@ from fathom.model.model_config import DTYPES
 from fathom.model.search import Hypothesis, SearchConfig, beam_search
 from fathom.model.trained import load_reference
 from fathom.model.transformer import Transformer
-from sacrebleu.metrics import BLEU, CHRF
-from tqdm import tqdm
 
 SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import deepspeed
 import torch.distributed as dist
+
 from fathom.common.checkpoint_format import (
     OPTIMIZER_FILE,
     STAGE_FILE,

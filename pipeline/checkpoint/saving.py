@@ -28,6 +28,7 @@ from typing import Any
 import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
 from fathom.common.checkpoint_format import (
     MANIFEST,
     deepspeed_state_types,

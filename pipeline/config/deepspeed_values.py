@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from fathom.common.errors import ConfigError, unknown_key_error
 from fathom.common.machine import native_bf16_cpu
 from fathom.common.outputs import check_makeable

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
@@ -233,9 +234,27 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         node[path[-1]] = value
 
 
+def config_file(name: str | Path) -> Path:
+    """The config at `name`; where no such file exists and `name` is a bare name, the config fathom ships
+    under it (`default` or `default.json`), so that an installed fathom runs from any directory."""
+    path = Path(name)
+    if path.exists() or path.parent != Path("."):
+        return path
+    shipped = files("fathom.ds_configs") / (path.name if path.suffix == ".json" else f"{path.name}.json")
+    return Path(str(shipped)) if shipped.is_file() else path
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name.removesuffix(".json") for p in files("fathom.ds_configs").iterdir() if p.suffix == ".json")
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such config; give a config file or a shipped one by name: {', '.join(shipped_configs())}"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
     except UnicodeDecodeError as err:
@@ -261,6 +280,7 @@ def check_finite(node: Any, path: str = "") -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] = (), world_size: int | None = 1) -> RunConfig:
+    path = config_file(path)
     raw = read_json(path)
     apply_overrides(raw, list(overrides))
     check_finite(raw)

@@ -26,6 +26,8 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+
 from fathom.model.model_config import ModelConfig
 from fathom.model.parts import module_names, saved_names
 from fathom.pipeline.deepspeed_internals import (
@@ -39,7 +41,6 @@ from fathom.pipeline.deepspeed_internals import (
     zero_sharded,
 )
 from fathom.pipeline.launched import end_distributed
-from torch import Tensor, nn
 
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from fathom.common.run_layout import MEMORY_FILE
 
 GiB = 2**30

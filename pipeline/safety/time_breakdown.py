@@ -20,6 +20,7 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+
 from fathom.common.run_layout import TIME_BREAKDOWN_FILE
 from fathom.pipeline.deepspeed_internals import wrap_instructions
 from fathom.pipeline.safety.metrics import MetricsLog

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import torch
+
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.launched import run_launched
 from fathom.pipeline.train import main

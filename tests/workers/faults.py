@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from fathom.model.parts import module_names
 from fathom.pipeline import train as training
 from fathom.pipeline.config.run_config import resolve_run

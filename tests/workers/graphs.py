@@ -8,10 +8,11 @@ Usage: graphs.py [scripts/train.py arguments]
 
 import sys
 
+from recorded import PARAMETERS, eager_record  # beside this file
+
 from fathom.pipeline import cuda_graphs, preflight
 from fathom.pipeline import train as training
 from fathom.pipeline.launched import run_launched
-from recorded import PARAMETERS, eager_record  # beside this file
 
 cuda_graphs.recordable = lambda tensor: True
 cuda_graphs.record = eager_record

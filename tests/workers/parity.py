@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+
 from fathom.common.run_layout import CONFIG_FILE
 from fathom.corpus.batches import MicroBatches
 from fathom.model.norms import ScheduleHook, build_scheme

@@ -2,6 +2,7 @@
 replays write the layer's results into fixed buffers, which the next replay overwrites, as a graph's do."""
 
 import torch
+
 from fathom.pipeline.cuda_graphs import Recording
 
 # data_ptr -> parameter: the layer's own parameters, which a replay differentiates to where the graphs

@@ -276,7 +276,7 @@ def run(
     def state() -> dict[str, Any]:
         return client_state(best.state(), offset, position_record(position.at(engine.global_steps), per_epoch, order))
 
-    metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
+    metrics = MetricsLog(save_dir / METRICS_FILE, rank == 0, engine.global_steps, monitor=engine.monitor)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
     patches = patch_training(

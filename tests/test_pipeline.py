@@ -345,6 +345,11 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert [int(samples) for samples, _ in rates] == [32 * r["step"] for r in expected]
     assert [float(lr) for _, lr in rates[:-1]] == pytest.approx([r["lr"] for r in expected[1:]])
     assert len({r["lr"] for r in expected}) > 5  # the warmup moves it every step
+    # fathom's own figures go to the same monitor, by global step, each as metrics.jsonl has it.
+    for key in ("grad_norm", "tokens_per_s", "alpha", "loss", "lr"):
+        rows = [line.split(",") for line in (tmp_path / "csv" / "full" / f"fathom_{key}.csv").read_text().split()[1:]]
+        assert [int(step) for step, _ in rows] == [r["step"] for r in expected], key
+        assert [float(value) for _, value in rows] == pytest.approx([r[key] for r in expected], rel=1e-6), key
     out = uninterrupted.stdout
     assert f"steps: 12 loss: {expected[-1]['loss']:.4f}" in out  # steps_per_print
     assert "print_configuration] DeepSpeedEngine:" in out  # dump_state, at log_level info

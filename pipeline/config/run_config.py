@@ -245,7 +245,9 @@ def config_file(name: str | Path) -> Path:
 
 
 def shipped_configs() -> list[str]:
-    return sorted(p.name.removesuffix(".json") for p in files("fathom.ds_configs").iterdir() if p.suffix == ".json")
+    """The names of the training configs fathom ships (its study specs, also in ds_configs/, left out)."""
+    shipped = [p for p in files("fathom.ds_configs").iterdir() if p.name.endswith(".json")]
+    return sorted(p.name.removesuffix(".json") for p in shipped if "model" in json.loads(p.read_text()))
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

@@ -99,12 +99,9 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     the study's search settings."""
     from sacrebleu.metrics import BLEU
 
-    from fathom.translation.generate import parse_args, translate
+    from fathom.translation.generate import translate_split
 
-    args = parse_args(
-        ["--checkpoint", str(save_dir), "--data", str(cfg.data.directory), "--subset", "valid", "--device", "cpu"]
-    )
-    hypotheses, references, _ = translate(args, spec.search)
+    hypotheses, references, _ = translate_split(save_dir, cfg.data.directory, "valid", device="cpu", search=spec.search)
     return BLEU().corpus_score(hypotheses, [references]).score
 
 

@@ -46,7 +46,14 @@ from fathom.model.full_recompute_search import full_recompute_search
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.search import SearchConfig, beam_search
 from fathom.translation.generate import split_batches
-from fathom.translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
+from fathom.translation.translate import (
+    SearchFn,
+    Translator,
+    add_model_args,
+    command_line_translator,
+    option_name,
+    search_config,
+)
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
@@ -138,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         check_writable_file(Path(args.json), "--json")
     torch.set_num_threads(args.threads)
     corpus = BinarizedCorpus(args.data, args.subset)
-    translator = Translator(args, search_cfg)
+    translator = command_line_translator(args, search_cfg)
     sources = [corpus.sources[i] for i in range(min(args.sentences or len(corpus), len(corpus)))]
     batches = split_batches(corpus, len(sources), search_cfg.batch_size)  # fairseq-generate's
     with tempfile.TemporaryDirectory() as workdir:

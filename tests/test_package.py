@@ -2,8 +2,11 @@
 shadow, the fairseq-style commands setup.cfg declares, and the configs it ships."""
 
 import configparser
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -49,9 +52,11 @@ def test_every_command_runs_beside_files_named_like_fathoms_folders(tmp_path):
     packages (each raising if imported), every installed command answers --version, and the modules
     import as `python -c` imports them (the working directory first on sys.path, as in a notebook)."""
     cwd = shadowing_directory(tmp_path)
-    bin_dir = Path(sys.executable).parent
+    where = os.pathsep.join([sysconfig.get_path("scripts"), os.environ["PATH"]])  # pip's place for this Python
     for name in console_scripts():
-        result = subprocess.run([bin_dir / name, "--version"], cwd=cwd, capture_output=True, text=True, timeout=120)
+        command = shutil.which(name, path=where)
+        assert command, f"{name} is not installed; pip install -e . installs the commands"
+        result = subprocess.run([command, "--version"], cwd=cwd, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, f"{name}: {result.stderr[-2000:]}"
         assert result.stdout.strip().splitlines()[-1] == versions(), name  # after DeepSpeed's accelerator line
     code = "; ".join(f"import {target.split(':')[0]}" for target in console_scripts().values())

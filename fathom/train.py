@@ -5,12 +5,15 @@
 
 (scripts/train.py is the same program by its path)."""
 
+from functools import partial
+
 from fathom.pipeline.launched import run_launched
 from fathom.pipeline.train import main as train
 
 
-def main() -> None:
-    run_launched(train)
+def main(argv: list[str] | None = None) -> None:
+    """Trains, then ends the process with the run's exit status (run_launched)."""
+    run_launched(partial(train, argv))
 
 
 if __name__ == "__main__":

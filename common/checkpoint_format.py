@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from common.errors import ConfigError
-from common.files import write_atomic
+from fathom.common.errors import ConfigError
+from fathom.common.files import write_atomic
 
 FORMAT = 2
 MANIFEST = "fathom_manifest.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from common.errors import ConfigError
+from fathom.common.errors import ConfigError
 
 
 def matplotlib_module(what: str) -> ModuleType:

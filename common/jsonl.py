@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
+from fathom.common.errors import ConfigError
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

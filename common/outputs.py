@@ -8,9 +8,9 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from common.checkpoint_format import is_checkpoint
-from common.errors import ConfigError
-from common.run_layout import LATEST, META_FILE, is_run
+from fathom.common.checkpoint_format import is_checkpoint
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import LATEST, META_FILE, is_run
 
 
 def check_makeable(out: Path, name: str) -> None:

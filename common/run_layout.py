@@ -11,8 +11,8 @@ import os
 import re
 from pathlib import Path
 
-from common.checkpoint_format import MANIFEST, is_checkpoint
-from common.errors import ConfigError
+from fathom.common.checkpoint_format import MANIFEST, is_checkpoint
+from fathom.common.errors import ConfigError
 
 # What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
 CONFIG_FILE = "config.json"  # the config of the latest launch

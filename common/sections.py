@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from common.errors import ConfigError, unknown_key_error
+from fathom.common.errors import ConfigError, unknown_key_error
 
 T = TypeVar("T")
 

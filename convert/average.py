@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from common.checkpoint_format import (
+from fathom.common.checkpoint_format import (
     file_damage,
     global_step,
     layer_file,
@@ -51,9 +51,10 @@ from common.checkpoint_format import (
     schedule_step,
     write_manifest,
 )
-from common.errors import ConfigError, exit_on_config_error
-from common.files import fsync_dir, save_file, staged
-from common.run_layout import (
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import fsync_dir, save_file, staged
+from fathom.common.run_layout import (
     CONFIG_FILE,
     committed,
     committed_checkpoints,
@@ -62,15 +63,15 @@ from common.run_layout import (
     reserved_name,
     tag_step,
 )
-from model.model_config import ModelConfig
-from model.trained import missing_layer_files, model_config, saved_layers
+from fathom.model.model_config import ModelConfig
+from fathom.model.trained import missing_layer_files, model_config, saved_layers
 
 SUMMARY = "fathom_average.json"
 ONE_RUN = "average checkpoints of one run"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
     parser.add_argument("--last", type=int, default=None, metavar="K", help="average the K newest checkpoints")
     parser.add_argument("--tags", nargs="+", default=None, metavar="TAG", help="average these checkpoint tags")

@@ -23,15 +23,16 @@ from typing import Any
 
 import torch
 
-from common.checkpoint_format import layer_file
-from common.errors import ConfigError, exit_on_config_error
-from common.files import save_file, staged
-from common.outputs import check_output_dir
-from common.run_layout import CONFIG_FILE, LATEST
-from corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
-from model.model_config import ModelConfig
-from model.norms import model_section
-from model.parts import fairseq_key, model_parts
+from fathom.common.checkpoint_format import layer_file
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import save_file, staged
+from fathom.common.outputs import check_output_dir
+from fathom.common.run_layout import CONFIG_FILE, LATEST
+from fathom.corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import model_section
+from fathom.model.parts import fairseq_key, model_parts
 
 TAG = "fairseq"
 SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace
@@ -50,7 +51,7 @@ BETTER_TRANSFORMER_COPY = re.compile(r"encoder\.layers\.\d+\.(in_proj|out_proj|f
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument(
         "--fairseq-checkpoint",
         required=True,

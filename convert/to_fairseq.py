@@ -32,21 +32,22 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from common.checkpoint_format import global_step, layer_file, load_file, schedule_step
-from common.errors import ConfigError, exit_on_config_error
-from common.files import save_file, staged
-from common.outputs import check_output_dir
-from common.run_layout import checkpoint_dir
-from corpus.batches import collate
-from corpus.dataset import BinarizedCorpus, check_vocab
-from model.fold import folded
-from model.model_config import PAD, ModelConfig
-from model.norms import SCHEMES, ScheduleHook, build_scheme
-from model.parts import build_parts, fairseq_key
-from model.trained import missing_layer_files, model_config
-from pipeline.config.history import config_at
-from pipeline.config.run_config import TrainConfig
-from pipeline.stage_modules import PipePart, pipe_parts
+from fathom.common.checkpoint_format import global_step, layer_file, load_file, schedule_step
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import save_file, staged
+from fathom.common.outputs import check_output_dir
+from fathom.common.run_layout import checkpoint_dir
+from fathom.corpus.batches import collate
+from fathom.corpus.dataset import BinarizedCorpus, check_vocab
+from fathom.model.fold import folded
+from fathom.model.model_config import PAD, ModelConfig
+from fathom.model.norms import SCHEMES, ScheduleHook, build_scheme
+from fathom.model.parts import build_parts, fairseq_key
+from fathom.model.trained import missing_layer_files, model_config
+from fathom.pipeline.config.history import config_at
+from fathom.pipeline.config.run_config import TrainConfig
+from fathom.pipeline.stage_modules import PipePart, pipe_parts
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"
@@ -59,7 +60,7 @@ LINKED_DEFAULTS = {"fp16": False, "memory_efficient_fp16": False, "tpu": False, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--checkpoint", required=True, help="train.save_dir of a run")
     parser.add_argument("--tag", default=None, help="checkpoint tag, e.g. best or global_step4000 (default: latest)")
     parser.add_argument("--data", required=True, help="the run's data directory (scripts/prepare_data.py)")

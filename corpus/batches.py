@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from common.errors import ConfigError
-from model.model_config import EOS, NUM_SPECIAL, PAD
+from fathom.common.errors import ConfigError
+from fathom.model.model_config import EOS, NUM_SPECIAL, PAD
 
 MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
 

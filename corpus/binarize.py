@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from corpus.filters import Pairs, Setting, apply
-from corpus.text import decode_line
+from fathom.corpus.filters import Pairs, Setting, apply
+from fathom.corpus.text import decode_line
 
 CHUNK = 20_000  # pairs a worker encodes at a time
 BLOCK = 1 << 24  # ids a pass over a whole split's file (counting, remapping) holds at a time

@@ -24,10 +24,10 @@ import numpy as np
 import sentencepiece as spm
 import torch
 
-from common.errors import ConfigError
-from common.files import write_atomic
-from common.run_layout import DICTIONARIES_FILE, META_FILE
-from model.model_config import EOS, NUM_SPECIAL, PAD, UNK, ModelConfig
+from fathom.common.errors import ConfigError
+from fathom.common.files import write_atomic
+from fathom.common.run_layout import DICTIONARIES_FILE, META_FILE
+from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, UNK, ModelConfig
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 PADDING_FACTOR = 8  # fairseq-preprocess pads dictionaries to a multiple of 8 with madeupwordNNNN

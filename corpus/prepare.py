@@ -29,22 +29,23 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from common.errors import ConfigError, check_number, exit_on_config_error
-from common.files import staged
-from common.outputs import check_output_dir
-from common.run_layout import META_FILE
-from corpus import filters, subwords
-from corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap
-from corpus.dataset import Dictionary, PreparedData, file_record
-from corpus.text import decode_line, find_file, raw_lines
-from model.model_config import UNK
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, check_number, exit_on_config_error
+from fathom.common.files import staged
+from fathom.common.outputs import check_output_dir
+from fathom.common.run_layout import META_FILE
+from fathom.corpus import filters, subwords
+from fathom.corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap
+from fathom.corpus.dataset import Dictionary, PreparedData, file_record
+from fathom.corpus.text import decode_line, find_file, raw_lines
+from fathom.model.model_config import UNK
 
 SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length sentence (1.4 GB here)
 SPM_SEED = 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--src", required=True, help="source language suffix, e.g. de")
     parser.add_argument("--tgt", required=True, help="target language suffix, e.g. en")
     parser.add_argument("--train", required=True, metavar="PREFIX")

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from common.errors import ConfigError
-from corpus.text import decode_line, raw_lines
+from fathom.common.errors import ConfigError
+from fathom.corpus.text import decode_line, raw_lines
 
 # SentencePiece's default. Its model depends on the thread count (the EM sums in another order), so the
 # count is fixed: the same command gives the same model whatever --workers is.

@@ -4,9 +4,9 @@ Nothing in this package imports DeepSpeed: `pipeline/` applies pipeline parallel
 layers from outside, and the same layer classes make the single-process reference model.
 """
 
-from common.errors import ConfigError
-from model.model_config import ModelConfig
-from model.norms import SCHEMES, NormScheme, build_scheme, register
-from model.transformer import Transformer
+from fathom.common.errors import ConfigError
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import SCHEMES, NormScheme, build_scheme, register
+from fathom.model.transformer import Transformer
 
 __all__ = ["SCHEMES", "ConfigError", "ModelConfig", "NormScheme", "Transformer", "build_scheme", "register"]

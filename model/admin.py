@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from common.files import write_atomic
-from common.run_layout import PROFILE_FILE
-from model.layers import SUBLAYERS
-from model.model_config import ModelConfig
-from model.norms import AdminResidual
+from fathom.common.errors import ConfigError
+from fathom.common.files import write_atomic
+from fathom.common.run_layout import PROFILE_FILE
+from fathom.model.layers import SUBLAYERS
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import AdminResidual
 
 # sublayer name -> (Var[input], Var[branch output])
 Variances = dict[str, tuple[float, float]]

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dropout import Dropout
-from model.model_config import PAD
+from fathom.model.dropout import Dropout
+from fathom.model.model_config import PAD
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,12 +24,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from model.embedding import Embedding, sinusoidal_table
-from model.layers import SUBLAYERS, Sublayer, TransformerLayer
-from model.norms import Residual, build_scheme
-from model.parts import module_names
-from model.transformer import Transformer
+from fathom.common.errors import ConfigError
+from fathom.model.embedding import Embedding, sinusoidal_table
+from fathom.model.layers import SUBLAYERS, Sublayer, TransformerLayer
+from fathom.model.norms import Residual, build_scheme
+from fathom.model.parts import module_names
+from fathom.model.transformer import Transformer
 
 # An omega entry this close to 0 would put a huge 1/omega into the next projections.
 SMALLEST_SCALE = 1e-6

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.model_config import EOS, PAD
-from model.search import Hypothesis, SearchConfig, max_length
-from model.transformer import Transformer
+from fathom.model.model_config import EOS, PAD
+from fathom.model.search import Hypothesis, SearchConfig, max_length
+from fathom.model.transformer import Transformer
 
 
 @torch.no_grad()

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.cache import AttentionCache, KeysValues, LayerCache
-from model.dropout import Dropout
-from model.model_config import PAD, ModelConfig
-from model.norms import NormScheme, Side
+from fathom.model.cache import AttentionCache, KeysValues, LayerCache
+from fathom.model.dropout import Dropout
+from fathom.model.model_config import PAD, ModelConfig
+from fathom.model.norms import NormScheme, Side
 
 
 def key_mask(tokens: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.model_config import PAD
+from fathom.model.model_config import PAD
 
 
 def token_losses(

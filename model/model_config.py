@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import ConfigError
-from common.sections import APPLIED, WEIGHTS
+from fathom.common.errors import ConfigError
+from fathom.common.sections import APPLIED, WEIGHTS
 
 # fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
 BOS, PAD, EOS, UNK = 0, 1, 2, 3

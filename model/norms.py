@@ -23,9 +23,9 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from common.sections import APPLIED, START_ONLY, OnResume, parse_section, resume_rules
-from model.model_config import ModelConfig
+from fathom.common.errors import ConfigError
+from fathom.common.sections import APPLIED, START_ONLY, OnResume, parse_section, resume_rules
+from fathom.model.model_config import ModelConfig
 
 Side = Literal["encoder", "decoder"]
 Branch = Callable[[torch.Tensor], torch.Tensor]

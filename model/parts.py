@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from model.embedding import Embedding
-from model.layers import DecoderLayer, EncoderLayer
-from model.model_config import ModelConfig
-from model.norms import build_scheme
+from fathom.model.embedding import Embedding
+from fathom.model.layers import DecoderLayer, EncoderLayer
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import build_scheme
 
 
 @dataclass(frozen=True)

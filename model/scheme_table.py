@@ -7,11 +7,11 @@ The parameters a scheme adds or drops are read off a model built with it, not wr
 
 from __future__ import annotations
 
-import argparse
 import re
 
-from common.tables import markdown_table
-from model import SCHEMES, ModelConfig, Transformer
+from fathom.common.cli import command_parser
+from fathom.common.tables import markdown_table
+from fathom.model import SCHEMES, ModelConfig, Transformer
 
 COLUMNS = ("scheme", "residual", "initialization", "parameters vs. Post-LN", "plain fairseq Transformer", "source")
 
@@ -47,5 +47,5 @@ def registry_table() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    command_parser(__doc__).parse_args(argv)
     print(registry_table())

@@ -21,10 +21,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from common.errors import ConfigError
-from model.cache import DecoderCache, sentences_of
-from model.model_config import EOS, PAD
-from model.transformer import Transformer
+from fathom.common.errors import ConfigError
+from fathom.model.cache import DecoderCache, sentences_of
+from fathom.model.model_config import EOS, PAD
+from fathom.model.transformer import Transformer
 
 # (scores, beam, token) of each sentence's 2 x beam best continuations, best first, (sentences, 2 x beam) each.
 Candidates = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from common.checkpoint_format import layer_file, load_file, schedule_step
-from common.errors import ConfigError
-from common.run_layout import CONFIG_FILE, checkpoint_dir
-from common.sections import OnResume, resume_rule
-from model.model_config import ModelConfig
-from model.norms import ScheduleHook, parse_model
-from model.parts import fairseq_key, model_parts, saved_names
-from model.transformer import Transformer
+from fathom.common.checkpoint_format import layer_file, load_file, schedule_step
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import CONFIG_FILE, checkpoint_dir
+from fathom.common.sections import OnResume, resume_rule
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import ScheduleHook, parse_model
+from fathom.model.parts import fairseq_key, model_parts, saved_names
+from fathom.model.transformer import Transformer
 
 
 def model_config(save_dir: str | Path) -> ModelConfig:

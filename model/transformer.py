@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.cache import DecoderCache
-from model.embedding import Embedding
-from model.model_config import ModelConfig
-from model.parts import build_parts, model_parts
+from fathom.model.cache import DecoderCache
+from fathom.model.embedding import Embedding
+from fathom.model.model_config import ModelConfig
+from fathom.model.parts import build_parts, model_parts
 
 
 class Encoder(nn.Module):

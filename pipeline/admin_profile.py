@@ -14,12 +14,20 @@ import deepspeed
 import torch.distributed as dist
 from torch import nn
 
-from common.run_layout import PROFILE_FILE
-from corpus.batches import MicroBatch
-from model.admin import Variances, apply_omegas, dropout_during, load_profile, omegas_from, recording, save_profile
-from model.model_config import ModelConfig
-from model.norms import AdminResidual, build_scheme
-from model.parts import saved_names
+from fathom.common.run_layout import PROFILE_FILE
+from fathom.corpus.batches import MicroBatch
+from fathom.model.admin import (
+    Variances,
+    apply_omegas,
+    dropout_during,
+    load_profile,
+    omegas_from,
+    recording,
+    save_profile,
+)
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import AdminResidual, build_scheme
+from fathom.model.parts import saved_names
 
 
 def stage_residuals(module: nn.Module, cfg: ModelConfig) -> dict[str, AdminResidual]:

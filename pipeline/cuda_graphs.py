@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from common.errors import ConfigError
-from model.layers import TransformerLayer
-from model.norms import BranchScaled
-from pipeline.dropout_masks import device_generator
+from fathom.common.errors import ConfigError
+from fathom.model.layers import TransformerLayer
+from fathom.model.norms import BranchScaled
+from fathom.pipeline.dropout_masks import device_generator
 
 if TYPE_CHECKING:
-    from pipeline.config.run_config import RunConfig
+    from fathom.pipeline.config.run_config import RunConfig
 
 Inputs = tuple[Tensor, ...]
 Shape = tuple[tuple[tuple[int, ...], torch.dtype], ...]

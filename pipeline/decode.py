@@ -29,17 +29,17 @@ from deepspeed.pipe import PipelineModule
 from sacrebleu.metrics import BLEU
 from torch import nn
 
-from common.files import write_atomic
-from corpus.batches import ParallelCorpus, length_batches, with_eos
-from corpus.dataset import BinarizedCorpus
-from corpus.text import read_lines
-from model.cache import DecoderCache
-from model.layers import DecoderLayer, EncoderLayer
-from model.model_config import ModelConfig
-from model.parts import model_parts, module_names
-from model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
-from pipeline.config.run_config import ValidBleu
-from pipeline.deepspeed_internals import built_stage_bounds
+from fathom.common.files import write_atomic
+from fathom.corpus.batches import ParallelCorpus, length_batches, with_eos
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.corpus.text import read_lines
+from fathom.model.cache import DecoderCache
+from fathom.model.layers import DecoderLayer, EncoderLayer
+from fathom.model.model_config import ModelConfig
+from fathom.model.parts import model_parts, module_names
+from fathom.model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
+from fathom.pipeline.config.run_config import ValidBleu
+from fathom.pipeline.deepspeed_internals import built_stage_bounds
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

@@ -26,7 +26,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf
 from deepspeed.runtime.zero.utils import get_norm_dtype
 from torch import Tensor, nn
 
-from pipeline.config.deepspeed_values import gradients_all_reduced
+from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 
 SUPPORTED_VERSION = "0.19.8"
 

@@ -28,8 +28,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from corpus.batches import DataPosition
-from pipeline.deepspeed_internals import replace_stage_call, set_checkpoint_function, stage_layers, wrap_instructions
+from fathom.corpus.batches import DataPosition
+from fathom.pipeline.deepspeed_internals import (
+    replace_stage_call,
+    set_checkpoint_function,
+    stage_layers,
+    wrap_instructions,
+)
 
 
 def layer_seed(seed: int, micro_batch: int, layer: int) -> int:

@@ -27,20 +27,20 @@ from typing import Any
 
 import deepspeed
 
-from corpus.batches import DataPosition
-from model.model_config import ModelConfig
-from pipeline.checkpoint import saving
-from pipeline.checkpoint.consolidated import write_recovery_scripts
-from pipeline.deepspeed_internals import (
+from fathom.corpus.batches import DataPosition
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.checkpoint.consolidated import write_recovery_scripts
+from fathom.pipeline.deepspeed_internals import (
     backward_in_one_call,
     replace_recovery_scripts,
     set_gradient_scans,
     set_self_reduction,
     typed_receive_buffers,
 )
-from pipeline.dropout_masks import DropoutMasks
-from pipeline.safety.divergence import StabilityGuard
-from pipeline.safety.time_breakdown import TimeBreakdown
+from fathom.pipeline.dropout_masks import DropoutMasks
+from fathom.pipeline.safety.divergence import StabilityGuard
+from fathom.pipeline.safety.time_breakdown import TimeBreakdown
 
 
 def patch_engine(engine: deepspeed.PipelineEngine) -> None:

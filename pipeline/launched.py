@@ -22,10 +22,10 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from common.errors import ConfigError
-from common.heap import set_training_heap
-from pipeline.config.run_config import TrainConfig
-from pipeline.safety.watchdog import backend_timeout
+from fathom.common.errors import ConfigError
+from fathom.common.heap import set_training_heap
+from fathom.pipeline.config.run_config import TrainConfig
+from fathom.pipeline.safety.watchdog import backend_timeout
 
 # deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
 # then Open MPI's mpirun, MPICH and Intel MPI (Hydra), MVAPICH2.

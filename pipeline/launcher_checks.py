@@ -23,9 +23,10 @@ from pathlib import Path
 from deepspeed.accelerator import get_accelerator
 from deepspeed.launcher import runner
 
-from common.errors import ConfigError, exit_on_config_error
-from pipeline.preflight import check_run
-from pipeline.train import parse_args as parse_train_args
+from fathom.common.cli import versions
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.pipeline.preflight import check_run
+from fathom.pipeline.train import parse_args as parse_train_args
 
 # The runner's own pattern is r'^(\S+)\s+slots=(\d+)', which reads "slots=4x" as 4; trailing fields
 # (Open MPI's max_slots=N, a comment) stay allowed.
@@ -159,6 +160,9 @@ def preflight(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:  # DeepSpeed's runner has no --version of its own to keep
+        print(versions())
+        return
     with exit_on_config_error():
         world_size = preflight(argv)
     print(f"fathom: checked; launching {world_size} processes", flush=True)

@@ -7,20 +7,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.errors import ConfigError
-from common.outputs import check_makeable
-from common.run_layout import META_FILE, has_checkpoints
-from corpus.batches import ParallelCorpus, check_budget
-from corpus.dataset import PreparedData, check_vocab
-from model.layers import compiler_missing
-from model.model_config import ModelConfig
-from model.trained import check_init_from
-from pipeline import admin_profile
-from pipeline.checkpoint import saving
-from pipeline.checkpoint.run_directory import check_not_in_use
-from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
-from pipeline.cuda_graphs import check_cuda_graphs
-from pipeline.launched import launched_world
+from fathom.common.errors import ConfigError
+from fathom.common.outputs import check_makeable
+from fathom.common.run_layout import META_FILE, has_checkpoints
+from fathom.corpus.batches import ParallelCorpus, check_budget
+from fathom.corpus.dataset import PreparedData, check_vocab
+from fathom.model.layers import compiler_missing
+from fathom.model.model_config import ModelConfig
+from fathom.model.trained import check_init_from
+from fathom.pipeline import admin_profile
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.checkpoint.run_directory import check_not_in_use
+from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from fathom.pipeline.cuda_graphs import check_cuda_graphs
+from fathom.pipeline.launched import launched_world
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from model.model_config import ModelConfig
-from pipeline.stage_modules import PipePart, pipe_parts
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.stage_modules import PipePart, pipe_parts
 
 
 def layer_spec(part: PipePart) -> LayerSpec:

@@ -27,11 +27,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from model.embedding import Embedding
-from model.layers import DecoderLayer, EncoderLayer
-from model.model_config import ModelConfig
-from model.norms import NormScheme
-from model.parts import Part, model_parts
+from fathom.model.embedding import Embedding
+from fathom.model.layers import DecoderLayer, EncoderLayer
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import NormScheme
+from fathom.model.parts import Part, model_parts
 
 Activations = tuple[Tensor, ...]
 

@@ -20,36 +20,37 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
-from common.errors import exit_on_config_error
-from common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag
-from corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
-from corpus.dataset import PreparedData, write_dictionaries
-from model.layers import compile_layers
-from model.loss import label_smoothed_cross_entropy
-from model.norms import ScheduleHook, build_scheme
-from pipeline import admin_profile
-from pipeline.checkpoint import saving
-from pipeline.checkpoint.data_position import data_order, position_record
-from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.config.deepspeed_values import engine_config, precision_warning
-from pipeline.config.history import record_config
-from pipeline.config.resume_rules import applied_optimizer_arguments
-from pipeline.config.run_config import RunConfig
-from pipeline.cuda_graphs import graph_layers
-from pipeline.deepspeed_internals import checkpoint_engine, linear_duplicate_check
-from pipeline.engine_patches import patch_engine, patch_training
-from pipeline.launched import check_mpi_discovery, init_distributed, launched_world
-from pipeline.partition import CostBalancedPipeline
-from pipeline.preflight import check_run
-from pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
-from pipeline.safety.memory import current_bytes, report_peaks
-from pipeline.safety.metrics import MetricsLog
-from pipeline.safety.signals import stop_on_signals
-from pipeline.safety.watchdog import Watchdog
-from pipeline.specs import layer_specs
-from pipeline.stage_modules import TRANSFORMER_LAYERS
-from pipeline.validation import Best, Validation, validation_line
+from fathom.common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
+from fathom.common.cli import command_parser
+from fathom.common.errors import exit_on_config_error
+from fathom.common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag
+from fathom.corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
+from fathom.corpus.dataset import PreparedData, write_dictionaries
+from fathom.model.layers import compile_layers
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.norms import ScheduleHook, build_scheme
+from fathom.pipeline import admin_profile
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.checkpoint.data_position import data_order, position_record
+from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.config.deepspeed_values import engine_config, precision_warning
+from fathom.pipeline.config.history import record_config
+from fathom.pipeline.config.resume_rules import applied_optimizer_arguments
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.cuda_graphs import graph_layers
+from fathom.pipeline.deepspeed_internals import checkpoint_engine, linear_duplicate_check
+from fathom.pipeline.engine_patches import patch_engine, patch_training
+from fathom.pipeline.launched import check_mpi_discovery, init_distributed, launched_world
+from fathom.pipeline.partition import CostBalancedPipeline
+from fathom.pipeline.preflight import check_run
+from fathom.pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
+from fathom.pipeline.safety.memory import current_bytes, report_peaks
+from fathom.pipeline.safety.metrics import MetricsLog
+from fathom.pipeline.safety.signals import stop_on_signals
+from fathom.pipeline.safety.watchdog import Watchdog
+from fathom.pipeline.specs import layer_specs
+from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS
+from fathom.pipeline.validation import Best, Validation, validation_line
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class StartPoint:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", required=True, help="experiment JSON (DeepSpeed keys + model/data/train)")
     parser.add_argument(
         "--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="e.g. model.encoder_layers=24"
@@ -275,7 +276,7 @@ def run(
     def state() -> dict[str, Any]:
         return client_state(best.state(), offset, position_record(position.at(engine.global_steps), per_epoch, order))
 
-    metrics = MetricsLog(save_dir / METRICS_FILE, enabled=rank == 0, resume_step=engine.global_steps)
+    metrics = MetricsLog(save_dir / METRICS_FILE, rank == 0, engine.global_steps, monitor=engine.monitor)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
     patches = patch_training(

@@ -11,14 +11,14 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
-from common.heap import heap_for_decoding
-from common.run_layout import TRANSLATIONS, linked_best
-from corpus.batches import MicroBatch, eval_batches
-from model.loss import token_losses
-from pipeline.config.run_config import RunConfig, build_corpus
-from pipeline.decode import bleu_set, valid_bleu
-from pipeline.safety.watchdog import Watchdog
+from fathom.common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
+from fathom.common.heap import heap_for_decoding
+from fathom.common.run_layout import TRANSLATIONS, linked_best
+from fathom.corpus.batches import MicroBatch, eval_batches
+from fathom.model.loss import token_losses
+from fathom.pipeline.config.run_config import RunConfig, build_corpus
+from fathom.pipeline.decode import bleu_set, valid_bleu
+from fathom.pipeline.safety.watchdog import Watchdog
 
 
 class LossSums:

@@ -12,12 +12,12 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from common.errors import ConfigError
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import DTYPES, NUM_SPECIAL
-from pipeline.config import deepspeed_values
-from pipeline.config.run_config import RunConfig
-from pipeline.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
+from fathom.common.errors import ConfigError
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import DTYPES, NUM_SPECIAL
+from fathom.pipeline.config import deepspeed_values
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
 
 
 @dataclass

@@ -25,13 +25,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.errors import ConfigError, check_counts, exit_on_config_error
-from common.run_layout import MEMORY_FILE
-from pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
-from pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
-from pipeline.partition import stage_bounds
-from pipeline.safety.memory import GiB, MeasuredPeak
-from planner.activation_trace import LayerTrace, precision, trace_layers
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
+from fathom.common.run_layout import MEMORY_FILE
+from fathom.pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
+from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
+from fathom.pipeline.partition import stage_bounds
+from fathom.pipeline.safety.memory import GiB, MeasuredPeak
+from fathom.planner.activation_trace import LayerTrace, precision, trace_layers
 
 GB = 10**9
 # A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
@@ -215,7 +216,7 @@ def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> Mic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", required=True, help="experiment JSON, as for scripts/train.py")
     parser.add_argument("--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--stages", type=int, help="pipeline stages (default: the config's pipeline.stages)")

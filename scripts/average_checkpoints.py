@@ -1,6 +1,6 @@
 """Average the weights of several checkpoints of a run into a new tag: see convert/average.py or --help."""
 
-from convert.average import main
+from fathom.convert.average import main
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """Training throughput on this machine's CPU or one GPU: see tools/bench.py or --help."""
 
-from pipeline.launched import run_launched
-from tools.bench import main
+from fathom.pipeline.launched import run_launched
+from fathom.tools.bench import main
 
 if __name__ == "__main__":
     run_launched(main)  # its gloo group, like a launched run's

@@ -1,6 +1,6 @@
 """What reseeding dropout at every layer costs: see tools/mask_speed.py."""
 
-from tools.mask_speed import main
+from fathom.tools.mask_speed import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Data preparation speed and memory, side by side with fairseq's pipeline: see tools/preparation_speed.py."""
 
-from tools.preparation_speed import main
+from fathom.tools.preparation_speed import main
 
 if __name__ == "__main__":
     main()

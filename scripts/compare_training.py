@@ -3,7 +3,7 @@
 python scripts/compare_training.py --config CONFIG [--override KEY=VALUE ...] --at STEP [STEP ...]
 """
 
-from tools.training_comparison import main
+from fathom.tools.training_comparison import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Import a fairseq Transformer checkpoint: see convert/from_fairseq.py or --help."""
 
-from convert.from_fairseq import main
+from fathom.convert.from_fairseq import main
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,7 @@
 python scripts/depth_study.py --study ds_configs/study_multi30k.json [--report]
 """
 
-from study.run import main
+from fathom.study.run import main
 
 if __name__ == "__main__":
     main()

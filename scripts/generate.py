@@ -1,6 +1,6 @@
 """Translate a prepared split and score it with sacreBLEU: see translation/generate.py or --help."""
 
-from translation.generate import main
+from fathom.translation.generate import main
 
 if __name__ == "__main__":
     main()

@@ -53,7 +53,7 @@ fi
 GRAPHS=(train.cuda_graphs=true data.pad_to_multiple=8)
 
 COMPARE=bf16-weights,torchscale,deepspeed
-if ! python -c 'from tools.torchscale_peer import import_torchscale; import_torchscale()' 2>/dev/null; then
+if ! python -c 'from fathom.tools.torchscale_peer import import_torchscale; import_torchscale()' 2>/dev/null; then
     echo "gpu_check.sh: torchscale is not importable (make peers): the benches leave it out" >&2
     COMPARE=bf16-weights,deepspeed
 fi

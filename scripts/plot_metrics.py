@@ -1,6 +1,6 @@
 """Plots training and validation loss of a run: see tools/plot_metrics.py or --help."""
 
-from tools.plot_metrics import main
+from fathom.tools.plot_metrics import main
 
 if __name__ == "__main__":
     main()

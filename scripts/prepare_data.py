@@ -1,6 +1,6 @@
 """Raw parallel text to a binarized dataset: see corpus/prepare.py or --help."""
 
-from corpus.prepare import main
+from fathom.corpus.prepare import main
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Translate raw text with a trained run: see translation/translate.py or --help."""
 
-from translation.translate import main
+from fathom.translation.translate import main
 
 if __name__ == "__main__":
     main()

@@ -19,15 +19,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
-from common.jsonl import read_jsonl
-from common.repo import ROOT
-from common.run_layout import META_FILE, METRICS_FILE, latest_tag
-from common.sections import parse_section
-from corpus.dataset import read_meta
-from model.search import SearchConfig
-from pipeline.config import deepspeed_values
-from pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
+from fathom.common.errors import ConfigError
+from fathom.common.jsonl import read_jsonl
+from fathom.common.repo import ROOT
+from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
+from fathom.common.sections import parse_section
+from fathom.corpus.dataset import read_meta
+from fathom.model.search import SearchConfig
+from fathom.pipeline.config import deepspeed_values
+from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
 
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended, then again with its evaluation

@@ -22,13 +22,13 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from common.figures import pyplot
-from common.files import write_atomic
-from common.jsonl import read_jsonl
-from common.run_layout import GRAD_NORMS_FILE
-from pipeline.config.history import flat, shown
-from pipeline.config.run_config import RunConfig
-from study.grid import (
+from fathom.common.figures import pyplot
+from fathom.common.files import write_atomic
+from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import GRAD_NORMS_FILE
+from fathom.pipeline.config.history import flat, shown
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.study.grid import (
     AXES,
     Cell,
     Grid,

@@ -20,7 +20,6 @@ each time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,19 +27,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, exit_on_config_error
-from common.figures import matplotlib_module
-from common.files import write_atomic
-from common.machine import cpu
-from common.outputs import check_makeable
-from common.ports import free_port
-from common.run_layout import CONFIG_FILE, META_FILE, latest_tag
-from corpus.dataset import BinarizedCorpus
-from model.norms import SCHEMES
-from pipeline.config.history import flat, read_back
-from pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
-from pipeline.safety.divergence import NONFINITE_EXIT
-from study.grid import (
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.figures import matplotlib_module
+from fathom.common.files import write_atomic
+from fathom.common.machine import cpu
+from fathom.common.outputs import check_makeable
+from fathom.common.ports import free_port
+from fathom.common.run_layout import CONFIG_FILE, META_FILE, latest_tag
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.model.norms import SCHEMES
+from fathom.pipeline.config.history import flat, read_back
+from fathom.pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
+from fathom.pipeline.safety.divergence import NONFINITE_EXIT
+from fathom.study.grid import (
     BASELINE_FILE,
     CELL_FILE,
     ROOT,
@@ -61,8 +61,8 @@ from study.grid import (
     sittings_path,
     training,
 )
-from study.report import STUDY, TRAINED, classify, evaluation_due, write_report
-from study.source_use import unigram_nll, valid_nlls
+from fathom.study.report import STUDY, TRAINED, classify, evaluation_due, write_report
+from fathom.study.source_use import unigram_nll, valid_nlls
 
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
@@ -99,12 +99,9 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     the study's search settings."""
     from sacrebleu.metrics import BLEU
 
-    from translation.generate import parse_args, translate
+    from fathom.translation.generate import translate_split
 
-    args = parse_args(
-        ["--checkpoint", str(save_dir), "--data", str(cfg.data.directory), "--subset", "valid", "--device", "cpu"]
-    )
-    hypotheses, references, _ = translate(args, spec.search)
+    hypotheses, references, _ = translate_split(save_dir, cfg.data.directory, "valid", device="cpu", search=spec.search)
     return BLEU().corpus_score(hypotheses, [references]).score
 
 
@@ -247,7 +244,7 @@ def run(spec: StudySpec, configs: dict[Cell, RunConfig]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--study", required=True, help="the study's JSON (ds_configs/study_*.json)")
     parser.add_argument("--report", action="store_true", help="only rebuild the report from the cells' logs")
     args = parser.parse_args(argv)

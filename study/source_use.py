@@ -11,10 +11,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from corpus.batches import collate
-from corpus.dataset import BinarizedCorpus
-from model.model_config import EOS, PAD
-from model.trained import load_reference
+from fathom.corpus.batches import collate
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.model.model_config import EOS, PAD
+from fathom.model.trained import load_reference
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.ports import free_port
-from common.repo import ROOT
+from fathom.common.ports import free_port
+from fathom.common.repo import ROOT
 
 
 def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:
@@ -60,7 +60,7 @@ def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:
 
 def prepare_slice(raw: Path, out: Path, pairs: int, valid: int, test: int, vocab_size: int) -> Path:
     """A prepared data directory `out` from the first `pairs`, `valid` and `test` real Multi30k pairs."""
-    from corpus.prepare import main as prepare_main
+    from fathom.corpus.prepare import main as prepare_main
 
     splits = {"train": pairs, "val": valid, "test_2016_flickr": test}
     train, val, test_prefix = (write_slice(raw, name, lines) for name, lines in splits.items())
@@ -74,7 +74,7 @@ def edit_prepared(data: Path, name: str, edit) -> None:
     prepare_data had written it: data that is consistent, but not the data a run was trained on."""
     import json
 
-    from corpus.dataset import file_record
+    from fathom.corpus.dataset import file_record
 
     path = data / name
     path.write_text("".join(line + "\n" for line in edit(path.read_text().splitlines())))
@@ -93,7 +93,7 @@ def logged_steps(save_dir: Path) -> list[dict]:
 
 def final_layers(save_dir: Path) -> dict[str, dict]:
     """The layer files of the latest checkpoint, by file name."""
-    from common.checkpoint_format import load_file
+    from fathom.common.checkpoint_format import load_file
 
     tag = save_dir / (save_dir / "latest").read_text().strip()
     return {path.name: load_file(path) for path in sorted(tag.glob("layer_*-model_states.pt"))}
@@ -119,8 +119,8 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
 
     import torch
 
-    from common.checkpoint_format import layer_file
-    from model.trained import saved_layers
+    from fathom.common.checkpoint_format import layer_file
+    from fathom.model.trained import saved_layers
 
     checkpoint = save_dir / f"global_step{step}"
     checkpoint.mkdir(parents=True)
@@ -156,9 +156,9 @@ def trained_in_process(
     the engine before it trains; `deepspeeds`: with DeepSpeed's own settings where fathom picks others."""
     import itertools
 
-    from corpus.batches import DataPosition
-    from pipeline.engine_patches import patch_training
-    from tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
+    from fathom.corpus.batches import DataPosition
+    from fathom.pipeline.engine_patches import patch_training
+    from fathom.tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
 
     with built_engine(cfg, ds, "cpu", deepspeeds) as engine:
         masks = patch_training(engine, cfg, seed=1, position=DataPosition(0, 0, 2, 1)).masks

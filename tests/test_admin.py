@@ -5,10 +5,18 @@ import math
 import pytest
 import torch
 
-from common.errors import ConfigError
-from model.admin import admin_residuals, apply_omegas, load_profile, omegas_from, profile, save_profile, sublayers
-from model.layers import key_mask
-from model.transformer import Transformer
+from fathom.common.errors import ConfigError
+from fathom.model.admin import (
+    admin_residuals,
+    apply_omegas,
+    load_profile,
+    omegas_from,
+    profile,
+    save_profile,
+    sublayers,
+)
+from fathom.model.layers import key_mask
+from fathom.model.transformer import Transformer
 from tests.test_norms import config
 
 

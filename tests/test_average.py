@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint_format import MANIFEST, global_step, layer_file, load_file, read_manifest
-from common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
-from convert.average import main
-from model import Transformer
-from model.norms import BranchScaled, parse_model
-from model.parts import saved_names
-from model.trained import load_reference
+from fathom.common.checkpoint_format import MANIFEST, global_step, layer_file, load_file, read_manifest
+from fathom.common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
+from fathom.convert.average import main
+from fathom.model import Transformer
+from fathom.model.norms import BranchScaled, parse_model
+from fathom.model.parts import saved_names
+from fathom.model.trained import load_reference
 from tests.helpers import snapshot
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
@@ -118,10 +118,10 @@ def test_load_reference_reads_the_average_at_the_newest_step(run, capsys):
 
 
 def test_last_takes_the_newest_committed_steps_by_number(run, capsys, monkeypatch):
-    import convert.average
+    import fathom.convert.average
 
     read = []
-    monkeypatch.setattr(convert.average, "load_file", lambda path: read.append(path) or load_file(path))
+    monkeypatch.setattr(fathom.convert.average, "load_file", lambda path: read.append(path) or load_file(path))
     main(["--checkpoint", str(run), "--last", "2"])
     assert_same_layers(layers(run / "avg_last2"), mean_of(run, (9, 10)))
     # one layer file at a time, across the checkpoints in turn

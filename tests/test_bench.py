@@ -14,13 +14,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.errors import ConfigError
-from model import ModelConfig, Transformer
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import PAD
+from fathom.common.errors import ConfigError
+from fathom.model import ModelConfig, Transformer
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import PAD
+from fathom.tools.step_profile import ProfileBench, counted, profile_systems
+from fathom.tools.training_speed import check_device, gpu_check_summary, model_flops, plain_loop, synthetic_batch
 from tests.helpers import ROOT
-from tools.step_profile import ProfileBench, counted, profile_systems
-from tools.training_speed import check_device, gpu_check_summary, model_flops, plain_loop, synthetic_batch
 
 TINY = ModelConfig(
     encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2, src_vocab_size=20,

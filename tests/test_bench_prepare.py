@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from common.run_layout import META_FILE
-from tools.preparation_speed import WORK_STAMP, build_corpus, check_work, main
-from tools.process_sampling import run_sampled
+from fathom.common.run_layout import META_FILE
+from fathom.tools.preparation_speed import WORK_STAMP, build_corpus, check_work, main
+from fathom.tools.process_sampling import run_sampled
 
 VALID_PAIRS = 1014  # Multi30k's val split
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tools.reshape_cost import main, table
+from fathom.tools.reshape_cost import main, table
 
 
 def test_a_work_directory_in_use_is_refused_before_anything_runs(tmp_path):

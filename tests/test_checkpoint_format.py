@@ -8,9 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint_format import FORMAT, MANIFEST, MODEL_STATES, file_entry, load_file, read_manifest, schedule_step
-from common.errors import ConfigError
-from common.run_layout import LATEST, latest_tag
+from fathom.common.checkpoint_format import (
+    FORMAT,
+    MANIFEST,
+    MODEL_STATES,
+    file_entry,
+    load_file,
+    read_manifest,
+    schedule_step,
+)
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import LATEST, latest_tag
 
 STAGE_FILES = ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
 OPTIMIZER_FILES = [f"zero_pp_rank_{r}_mp_rank_{s:02d}_optim_states.pt" for r in range(2) for s in range(2)]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from common.checkpoint_format import (
+from fathom.common.checkpoint_format import (
     LOSS_PER_TOKEN,
     MANIFEST,
     MODEL_STATES,
@@ -26,18 +26,18 @@ from common.checkpoint_format import (
     load_file,
     read_manifest,
 )
-from common.errors import ConfigError
-from common.jsonl import read_jsonl
-from common.run_layout import BEST, LATEST, latest_tag, linked_best
-from convert.average import main as average_main
-from corpus.dataset import BinarizedCorpus, file_record
-from pipeline.checkpoint import saving
-from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.train import main
-from pipeline.validation import Best, validate
+from fathom.common.errors import ConfigError
+from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import BEST, LATEST, latest_tag, linked_best
+from fathom.convert.average import main as average_main
+from fathom.corpus.dataset import BinarizedCorpus, file_record
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.train import main
+from fathom.pipeline.validation import Best, validate
+from fathom.translation.generate import main as generate_main
+from fathom.translation.translate import main as translate_main
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
-from translation.generate import main as generate_main
-from translation.translate import main as translate_main
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
@@ -586,7 +586,7 @@ def test_a_replica_without_a_share_of_the_validation_set_still_joins_it(monkeypa
         reduced.append(sums.clone())
         sums += torch.tensor([6.0, 3.0, 3.0], dtype=torch.float64)
 
-    monkeypatch.setattr("pipeline.validation.dist.all_reduce", all_reduce)
+    monkeypatch.setattr("fathom.pipeline.validation.dist.all_reduce", all_reduce)
     engine = Engine()
     assert validate(engine, ["the only micro-batch"], smoothing=0.1)["valid_loss"] == 2.0
     assert engine.scored == ["the only micro-batch"]  # joined the replicas' all-reduce

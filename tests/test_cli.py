@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from model import SCHEMES, ModelConfig, Transformer
+from fathom.model import SCHEMES, ModelConfig, Transformer
+from fathom.translation.generate import main as generate_main
 from tests.helpers import ROOT, without_matplotlib, write_run
-from translation.generate import main as generate_main
 
 
 def run_generate(capsys, *args):

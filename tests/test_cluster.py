@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.ports import free_port
+from fathom.common.ports import free_port
 from tests.helpers import ROOT, assert_same_training, final_layers, logged_steps
 
 pytestmark = pytest.mark.slow

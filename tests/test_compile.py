@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from common.errors import ConfigError
-from model.layers import compile_layers
-from model.model_config import ModelConfig
-from model.transformer import Transformer
-from pipeline import preflight
-from pipeline.train import parse_args
+from fathom.common.errors import ConfigError
+from fathom.model.layers import compile_layers
+from fathom.model.model_config import ModelConfig
+from fathom.model.transformer import Transformer
+from fathom.pipeline import preflight
+from fathom.pipeline.train import parse_args
 from tests.helpers import ROOT, final_layers, launch, logged_steps, trained_in_process
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

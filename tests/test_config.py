@@ -11,23 +11,23 @@ import typing
 
 import pytest
 
-from common import machine
-from common.checkpoint_format import MANIFEST
-from common.errors import ConfigError
-from common.heap import CPU_HEAPS
-from common.jsonl import read_jsonl
-from common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, META_FILE, METRICS_FILE
-from common.sections import OnResume, resume_rule
-from model.model_config import ModelConfig
-from model.norms import DEEPNORM_INITS, GROWTH, SCHEMES, BranchNorm, DeepNorm
-from model.search import SearchConfig
-from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.config import deepspeed_values, resume_rules
-from pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, Recording, pipeline_defaults
-from pipeline.config.deepspeed_sections import APPLIED, REFUSED
-from pipeline.config.history import record_config
-from pipeline.config.run_config import DataConfig, TrainConfig, ValidBleu, load_config
-from pipeline.train import main
+from fathom.common import machine
+from fathom.common.checkpoint_format import MANIFEST
+from fathom.common.errors import ConfigError
+from fathom.common.heap import CPU_HEAPS
+from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, META_FILE, METRICS_FILE
+from fathom.common.sections import OnResume, resume_rule
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import DEEPNORM_INITS, GROWTH, SCHEMES, BranchNorm, DeepNorm
+from fathom.model.search import SearchConfig
+from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.config import deepspeed_values, resume_rules
+from fathom.pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, Recording, pipeline_defaults
+from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
+from fathom.pipeline.config.history import record_config
+from fathom.pipeline.config.run_config import DataConfig, TrainConfig, ValidBleu, load_config
+from fathom.pipeline.train import main
 from tests.helpers import ROOT, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -562,8 +562,8 @@ def test_each_choice_a_config_type_names_has_an_implementation():
 def test_every_decoder_searches_with_the_same_settings():
     """generate.py, translate.py, train.valid_bleu and the depth study read one search config: same keys,
     same defaults (the study's lenpen is its own choice), one validator."""
-    from translation.generate import parse_args
-    from translation.translate import search_config
+    from fathom.translation.generate import parse_args
+    from fathom.translation.translate import search_config
 
     args = parse_args(["--checkpoint", "run", "--data", "data"])
     assert search_config(args) == SearchConfig()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from common.checkpoint_format import MANIFEST, file_damage, read_manifest
-from common.ports import free_port
-from common.run_layout import LATEST, latest_tag, linked_best, tag_step
-from pipeline.checkpoint import saving
+from fathom.common.checkpoint_format import MANIFEST, file_damage, read_manifest
+from fathom.common.ports import free_port
+from fathom.common.run_layout import LATEST, latest_tag, linked_best, tag_step
+from fathom.pipeline.checkpoint import saving
 from tests.helpers import ROOT, assert_same_training, launch
 
 pytestmark = pytest.mark.slow

@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from common.errors import ConfigError
-from corpus.batches import collate
-from model import ModelConfig, Transformer
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import PAD
-from model.norms import BranchScaled, PostNorm
-from pipeline import cuda_graphs
-from pipeline.config.run_config import resolve_run
-from pipeline.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
+from fathom.common.errors import ConfigError
+from fathom.corpus.batches import collate
+from fathom.model import ModelConfig, Transformer
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import PAD
+from fathom.model.norms import BranchScaled, PostNorm
+from fathom.pipeline import cuda_graphs
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
 from tests.helpers import ROOT, launch, trained_in_process
 from tests.workers.recorded import PARAMETERS, eager_record
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from corpus.batches import BatchSize, MicroBatches, epoch_batches, fairseq_batches
-from corpus.dataset import BinarizedCorpus, Dictionary, file_record
-from corpus.prepare import main as prepare_main
-from model.model_config import EOS, NUM_SPECIAL, PAD
-from pipeline.train import main as train_main
+from fathom.common.errors import ConfigError
+from fathom.corpus.batches import BatchSize, MicroBatches, epoch_batches, fairseq_batches
+from fathom.corpus.dataset import BinarizedCorpus, Dictionary, file_record
+from fathom.corpus.prepare import main as prepare_main
+from fathom.model.model_config import EOS, NUM_SPECIAL, PAD
+from fathom.pipeline.train import main as train_main
+from fathom.translation.generate import main as generate_main
 from tests.helpers import MULTI30K, ROOT, write_slice
-from translation.generate import main as generate_main
 
 
 def prepare(tmp_path, train, valid, *extra):

@@ -5,10 +5,10 @@ epoch when asked (pipeline/checkpoint/data_position.py). The launches: tests/tes
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from corpus.batches import BatchSize, DataPosition, MicroBatches, epoch_batches, epoch_length
-from pipeline.checkpoint.data_position import data_order, position_record, resume_position, saved_position
-from pipeline.config.run_config import build_corpus, load_config
+from fathom.common.errors import ConfigError
+from fathom.corpus.batches import BatchSize, DataPosition, MicroBatches, epoch_batches, epoch_length
+from fathom.pipeline.checkpoint.data_position import data_order, position_record, resume_position, saved_position
+from fathom.pipeline.config.run_config import build_corpus, load_config
 from tests.helpers import ROOT
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

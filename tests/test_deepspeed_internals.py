@@ -16,9 +16,9 @@ import torch
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from model.model_config import ModelConfig
-from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from pipeline.deepspeed_internals import (
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
+from fathom.pipeline.deepspeed_internals import (
     SUPPORTED_VERSION,
     built_stage_bounds,
     check_for_duplicates,
@@ -37,10 +37,10 @@ from pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from pipeline.specs import layer_specs
-from pipeline.train import build_engine
+from fathom.pipeline.specs import layer_specs
+from fathom.pipeline.train import build_engine
+from fathom.tools.training_speed import synthetic_batch
 from tests.helpers import ROOT
-from tools.training_speed import synthetic_batch
 
 
 def test_another_deepspeed_version_is_one_line(capsys):
@@ -195,9 +195,8 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
                "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.stage_modules",
                "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
                "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
-    code = (
-        f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; print('deepspeed' in sys.modules)"
-    )
+    code = f"import importlib, sys; [importlib.import_module('fathom.' + m) for m in {modules!r}]; "
+    code += "print('deepspeed' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -255,8 +254,8 @@ def test_the_guard_and_zeros_scans_read_each_gradient_once_a_step(process_group,
     non-finite gradients and its gradient norm take their norms from one multi-tensor pass over the
     gradients (GradientNorms); a gradient the guard sees go non-finite is measured anew, so the step
     is still skipped."""
-    from pipeline.safety.divergence import StabilityGuard
-    from tools.training_speed import built_engine
+    from fathom.pipeline.safety.divergence import StabilityGuard
+    from fathom.tools.training_speed import built_engine
 
     cfg = SMALL_MODEL(norm_scheme="deepnorm")
     ds = {**ONE_STAGE, "bf16": {"enabled": True}, "gradient_clipping": 1.0}

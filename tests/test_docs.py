@@ -6,9 +6,9 @@ import dataclasses
 import re
 import typing
 
-from model.model_config import ModelConfig
-from pipeline.config.deepspeed_sections import APPLIED, REFUSED
-from pipeline.config.run_config import DataConfig, TrainConfig
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
+from fathom.pipeline.config.run_config import DataConfig, TrainConfig
 from tests.helpers import ROOT
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}

@@ -5,10 +5,10 @@ same losses and weights, bit for bit, with dropout and activation checkpointing 
 import pytest
 import torch
 
-from model.model_config import ModelConfig
-from pipeline.config.deepspeed_values import engine_config
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.config.deepspeed_values import engine_config
+from fathom.tools.step_profile import use_deepspeeds_own
 from tests.helpers import trained_in_process
-from tools.step_profile import use_deepspeeds_own
 
 
 def test_defaults_fill_only_what_the_config_leaves_out():

@@ -14,22 +14,22 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from common.errors import ConfigError
-from convert import from_fairseq, to_fairseq
-from corpus.batches import collate
-from corpus.dataset import BinarizedCorpus, PreparedData, check_vocab
-from corpus.prepare import main as prepare_main
-from model.fold import fold_model
-from model.model_config import ModelConfig
-from model.norms import SCHEMES
-from model.search import SearchConfig
-from model.trained import load_reference
-from model.transformer import Transformer
-from pipeline.preflight import check_run
-from pipeline.train import parse_args as parse_train_args
+from fathom.common.errors import ConfigError
+from fathom.convert import from_fairseq, to_fairseq
+from fathom.corpus.batches import collate
+from fathom.corpus.dataset import BinarizedCorpus, PreparedData, check_vocab
+from fathom.corpus.prepare import main as prepare_main
+from fathom.model.fold import fold_model
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import SCHEMES
+from fathom.model.search import SearchConfig
+from fathom.model.trained import load_reference
+from fathom.model.transformer import Transformer
+from fathom.pipeline.preflight import check_run
+from fathom.pipeline.train import parse_args as parse_train_args
+from fathom.tools.translation_speed import search_flags
+from fathom.translation.generate import main as generate_main
 from tests.helpers import ROOT, edit_prepared, launch, write_slice
-from tools.translation_speed import search_flags
-from translation.generate import main as generate_main
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"

@@ -5,13 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from common.errors import ConfigError
-from model import SCHEMES, ModelConfig
-from model.embedding import Embedding, sinusoidal_table
-from model.fold import fold_model
-from model.model_config import PAD
-from model.norms import ScheduleHook
-from model.transformer import Transformer
+from fathom.common.errors import ConfigError
+from fathom.model import SCHEMES, ModelConfig
+from fathom.model.embedding import Embedding, sinusoidal_table
+from fathom.model.fold import fold_model
+from fathom.model.model_config import PAD
+from fathom.model.norms import ScheduleHook
+from fathom.model.transformer import Transformer
 
 EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]
 FOLDED = [name for name in EXPORTABLE if SCHEMES[name].fairseq_layout != name]  # whose scalings export folds away

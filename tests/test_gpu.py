@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from model.parts import module_names
-from pipeline.config.run_config import resolve_run
-from pipeline.safety.divergence import NONFINITE_EXIT
+from fathom.model.parts import module_names
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.safety.divergence import NONFINITE_EXIT
 from tests.helpers import ROOT, launch
 from tests.test_stability import CONFIG, SMALL, WORKER, jsonl, same_state
 
@@ -102,7 +102,7 @@ def test_the_fused_overflow_check_sees_nan_and_inf_on_cuda():
     launch) flags a NaN, +inf or -inf in any one of many gradient tensors, as DeepSpeed's check does."""
     import types
 
-    from pipeline.deepspeed_internals import set_gradient_scans
+    from fathom.pipeline.deepspeed_internals import set_gradient_scans
 
     grads = [torch.randn(n, device="cuda") for n in (7, 1000, 3, 4096)]
     optimizer = types.SimpleNamespace(

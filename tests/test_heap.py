@@ -17,7 +17,7 @@ FREED_AND_HELD = textwrap.dedent(
     """
     import sys
     import torch
-    from common.heap import heap_for_decoding, set_training_heap
+    from fathom.common.heap import heap_for_decoding, set_training_heap
 
     def resident_mib():
         with open("/proc/self/statm") as statm:

@@ -28,15 +28,21 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every fathom module `path` imports, at any depth of its code."""
+def imported_names(path: Path) -> set[str]:
+    """Every module and name `path` imports, at any depth of its code, as written."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    """Every fathom module `path` imports, named without the `fathom.` namespace."""
+    names = {name.removeprefix("fathom.") for name in imported_names(path)}
+    return {name for name in names if name.split(".")[0] in PACKAGES}
 
 
 def graph() -> dict[str, set[str]]:
@@ -52,6 +58,16 @@ def test_each_package_imports_only_the_layers_below_it():
         if dep.split(".")[0] != name.split(".")[0] and dep.split(".")[0] not in ALLOWED[name.split(".")[0]]
     )
     assert not wrong
+
+
+def test_every_import_of_fathom_goes_through_its_namespace():
+    files = [p for folder in (*ALLOWED, "tests") for p in (ROOT / folder).rglob("*.py")]
+    bare = {
+        f"{p.relative_to(ROOT)}: {name}" for p in files for name in imported_names(p) if name.split(".")[0] in ALLOWED
+    }
+    assert not sorted(bare), (
+        "import them as fathom.PACKAGE: a model.py or another distribution's tools/ shadows bare names"
+    )
 
 
 def test_no_shipped_module_imports_the_tests():

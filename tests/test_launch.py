@@ -7,10 +7,10 @@ import sys
 import pytest
 from deepspeed.launcher import runner
 
-from common.errors import REPORTER_GRACE_S, ConfigError
-from pipeline import launcher_checks
-from pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world
-from pipeline.train import main as train_main
+from fathom.common.errors import REPORTER_GRACE_S, ConfigError
+from fathom.pipeline import launcher_checks
+from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world
+from fathom.pipeline.train import main as train_main
 from tests.helpers import ROOT
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -177,7 +177,7 @@ def test_train_checks_the_mpi_world_before_starting(capsys, config, under_mpirun
     # at that first (test_mpirun_without_mpi4py_is_one_line), before the world is checked.
     pytest.importorskip("mpi4py", reason="mpi4py is an optional extra (pip install -e '.[mpi]'), not installed")
     waits = []
-    monkeypatch.setattr("common.errors.time.sleep", waits.append)
+    monkeypatch.setattr("fathom.common.errors.time.sleep", waits.append)
     for rank, waited in ((0, []), (1, [REPORTER_GRACE_S])):
         under_mpirun(rank)
         waits.clear()

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError
-from common.run_layout import META_FILE
-from corpus.dataset import BinarizedCorpus
-from corpus.prepare import main as prepare_main
-from pipeline.preflight import check_run
-from pipeline.train import parse_args as parse_train_args
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import META_FILE
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.corpus.prepare import main as prepare_main
+from fathom.pipeline.preflight import check_run
+from fathom.pipeline.train import parse_args as parse_train_args
 from tests.helpers import ROOT, write_slice
 
 MAX_LEN = 40  # pieces, the training pairs' limit

@@ -6,15 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
-from model.dropout import Dropout, keep_mask
-from model.embedding import Embedding, positions_of, sinusoidal_table
-from model.layers import MultiheadAttention, attention
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import EOS, NUM_SPECIAL, PAD, ModelConfig
-from model.parts import build_parts, model_parts
-from model.transformer import Transformer
-from pipeline.stage_modules import pipe_parts
+from fathom.corpus.batches import BatchSize, MicroBatches, SyntheticConfig, SyntheticTranslation, collate
+from fathom.model.dropout import Dropout, keep_mask
+from fathom.model.embedding import Embedding, positions_of, sinusoidal_table
+from fathom.model.layers import MultiheadAttention, attention
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, ModelConfig
+from fathom.model.parts import build_parts, model_parts
+from fathom.model.transformer import Transformer
+from fathom.pipeline.stage_modules import pipe_parts
 
 
 def test_attention_equals_softmax_formula_with_padding_mask():

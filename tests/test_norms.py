@@ -8,13 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.errors import ConfigError
-from common.sections import APPLIED, START_ONLY, OnResume
-from model import SCHEMES, ModelConfig, NormScheme
-from model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
-from model.norms import ScheduleHook, branchnorm_alpha, build_scheme, deepnorm_constants, sub_ln_gain, t_fixup_scale
-from model.transformer import Transformer
-from pipeline.config.resume_rules import settings_with
+from fathom.common.errors import ConfigError
+from fathom.common.sections import APPLIED, START_ONLY, OnResume
+from fathom.model import SCHEMES, ModelConfig, NormScheme
+from fathom.model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
+from fathom.model.norms import (
+    ScheduleHook,
+    branchnorm_alpha,
+    build_scheme,
+    deepnorm_constants,
+    sub_ln_gain,
+    t_fixup_scale,
+)
+from fathom.model.transformer import Transformer
+from fathom.pipeline.config.resume_rules import settings_with
 
 
 def config(scheme: str, **kw) -> ModelConfig:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import int_list
+from fathom.common.errors import int_list
 from tests.helpers import ROOT
 
 SCRIPTS = sorted(path.stem for path in (ROOT / "scripts").glob("*.py"))

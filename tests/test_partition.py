@@ -5,11 +5,11 @@ import itertools
 import pytest
 from deepspeed.runtime.utils import partition_balanced
 
-from model import ModelConfig
-from model.parts import model_parts
-from pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
-from pipeline.specs import layer_specs
-from pipeline.stage_modules import TRANSFORMER_LAYERS
+from fathom.model import ModelConfig
+from fathom.model.parts import model_parts
+from fathom.pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
+from fathom.pipeline.specs import layer_specs
+from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS
 
 
 def config(layers: int, dim: int, ffn: int, vocab: int, **kw) -> ModelConfig:

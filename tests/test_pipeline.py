@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.run_layout import PROFILE_FILE
-from corpus.batches import MicroBatches, eval_batches, with_eos
-from model import SCHEMES
-from model.admin import admin_residuals, apply_omegas, omegas_from, profile
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import PAD
-from model.norms import ScheduleHook
-from model.search import SearchConfig, beam_search
-from model.trained import load_reference, model_config
-from pipeline.config.run_config import build_corpus, load_config, resolve_run
-from pipeline.partition import stage_bounds
-from pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
-from pipeline.train import profile_batch
+from fathom.common.run_layout import PROFILE_FILE
+from fathom.corpus.batches import MicroBatches, eval_batches, with_eos
+from fathom.model import SCHEMES
+from fathom.model.admin import admin_residuals, apply_omegas, omegas_from, profile
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import PAD
+from fathom.model.norms import ScheduleHook
+from fathom.model.search import SearchConfig, beam_search
+from fathom.model.trained import load_reference, model_config
+from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
+from fathom.pipeline.partition import stage_bounds
+from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
+from fathom.pipeline.train import profile_batch
 from tests.helpers import ROOT, launch
 from tests.workers.parity import SEARCH
 
@@ -345,6 +345,11 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert [int(samples) for samples, _ in rates] == [32 * r["step"] for r in expected]
     assert [float(lr) for _, lr in rates[:-1]] == pytest.approx([r["lr"] for r in expected[1:]])
     assert len({r["lr"] for r in expected}) > 5  # the warmup moves it every step
+    # fathom's own figures go to the same monitor, by global step, each as metrics.jsonl has it.
+    for key in ("grad_norm", "tokens_per_s", "alpha", "loss", "lr"):
+        rows = [line.split(",") for line in (tmp_path / "csv" / "full" / f"fathom_{key}.csv").read_text().split()[1:]]
+        assert [int(step) for step, _ in rows] == [r["step"] for r in expected], key
+        assert [float(value) for _, value in rows] == pytest.approx([r[key] for r in expected], rel=1e-6), key
     out = uninterrupted.stdout
     assert f"steps: 12 loss: {expected[-1]['loss']:.4f}" in out  # steps_per_print
     assert "print_configuration] DeepSpeedEngine:" in out  # dump_state, at log_level info

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from common.run_layout import MEMORY_FILE
-from pipeline.config.run_config import load_config
-from planner.activation_trace import trace_layers
-from planner.estimate import (
+from fathom.common.run_layout import MEMORY_FILE
+from fathom.pipeline.config.run_config import load_config
+from fathom.planner.activation_trace import trace_layers
+from fathom.planner.estimate import (
     CPU_RUNTIME_BYTES,
     GiB,
     MicroBatchShape,

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.errors import ConfigError
-from corpus import prepare
-from corpus.dataset import BinarizedCorpus, ShardedCorpus
-from corpus.filters import Pairs, apply
-from corpus.prepare import main as prepare_main
-from pipeline.config.run_config import load_config
-from pipeline.train import main as train_main
+from fathom.common.errors import ConfigError
+from fathom.corpus import prepare
+from fathom.corpus.dataset import BinarizedCorpus, ShardedCorpus
+from fathom.corpus.filters import Pairs, apply
+from fathom.corpus.prepare import main as prepare_main
+from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.train import main as train_main
+from fathom.tools.standin_corpus import write_standin
 from tests.helpers import ROOT, write_slice
-from tools.standin_corpus import write_standin
 
 ARGS = ["--src", "de", "--tgt", "en"]
 
@@ -209,7 +209,7 @@ def test_shards_with_other_dictionaries_are_one_line(shards, standin, tmp_path, 
 
 PEAK = """
 import resource, sys
-from corpus.prepare import main
+from fathom.corpus.prepare import main
 main(sys.argv[1:])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

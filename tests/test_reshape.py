@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import pipeline.checkpoint.reshape as reshape
-from common.checkpoint_format import (
+import fathom.pipeline.checkpoint.reshape as reshape
+from fathom.common.checkpoint_format import (
     MANIFEST,
     OPTIMIZER_FILE,
     deepspeed_state_types,
@@ -25,9 +25,9 @@ from common.checkpoint_format import (
     manifest_files,
     read_manifest,
 )
-from common.errors import exit_on_config_error
-from common.run_layout import latest_step
-from pipeline.checkpoint.reshape import UNIVERSAL, Shape
+from fathom.common.errors import exit_on_config_error
+from fathom.common.run_layout import latest_step
+from fathom.pipeline.checkpoint.reshape import UNIVERSAL, Shape
 from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

@@ -6,14 +6,14 @@ import functools
 import pytest
 import torch
 
-import model.cache
-from corpus.batches import collate
-from model import SCHEMES, ModelConfig, Transformer
-from model.full_recompute_search import full_recompute_search
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import EOS
-from model.norms import ScheduleHook
-from model.search import ModelDecoder, SearchConfig, beam_search, search
+import fathom.model.cache
+from fathom.corpus.batches import collate
+from fathom.model import SCHEMES, ModelConfig, Transformer
+from fathom.model.full_recompute_search import full_recompute_search
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import EOS
+from fathom.model.norms import ScheduleHook
+from fathom.model.search import ModelDecoder, SearchConfig, beam_search, search
 
 
 def tiny_model(seed=0, scheme="pre_ln", **kw) -> Transformer:
@@ -132,7 +132,7 @@ def test_incremental_search_with_shared_tables_and_learned_positions(share):
 def test_caches_that_grow_mid_search(monkeypatch):
     """A cache starts with room for FIRST_CAPACITY positions and doubles it: growing while beams are
     re-ranked and sentences leave the batch keeps every prefix."""
-    monkeypatch.setattr(model.cache, "FIRST_CAPACITY", 1)
+    monkeypatch.setattr(fathom.model.cache, "FIRST_CAPACITY", 1)
     net, src = briefly_trained("pre_ln"), batch_of(SOURCES)
     want = full_recompute_search(net, src, fixed_limit(4, 9))
     assert_same_hypotheses(beam_search(net, src, fixed_limit(4, 9)), want)

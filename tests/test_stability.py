@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from common.errors import ConfigError
-from common.run_layout import GRAD_NORMS_FILE
-from corpus.batches import MicroBatches
-from model.loss import label_smoothed_cross_entropy
-from model.parts import module_names, saved_names
-from model.trained import load_reference
-from pipeline.config.run_config import build_corpus, load_config, resolve_run
-from pipeline.partition import stage_bounds
-from pipeline.safety.divergence import NONFINITE_EXIT, describe
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import GRAD_NORMS_FILE
+from fathom.corpus.batches import MicroBatches
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.parts import module_names, saved_names
+from fathom.model.trained import load_reference
+from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
+from fathom.pipeline.partition import stage_bounds
+from fathom.pipeline.safety.divergence import NONFINITE_EXIT, describe
 from tests.helpers import ROOT, launch
 
 CONFIG = ROOT / "ds_configs" / "default.json"

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from corpus.dataset import read_meta
-from pipeline.config.run_config import load_config
-from study.grid import (
+from fathom.corpus.dataset import read_meta
+from fathom.pipeline.config.run_config import load_config
+from fathom.study.grid import (
     CELL_FILE,
     Grid,
     StudySpec,
@@ -26,10 +26,10 @@ from study.grid import (
     read_sittings,
     read_spec,
 )
-from study.report import DIVERGED, STALLED, TRAINED, cell_list, cell_summary, classify, cpu_text, entry
-from study.run import check, run
-from study.run import main as study_main
-from study.source_use import unigram_nll
+from fathom.study.report import DIVERGED, STALLED, TRAINED, cell_list, cell_summary, classify, cpu_text, entry
+from fathom.study.run import check, run
+from fathom.study.run import main as study_main
+from fathom.study.source_use import unigram_nll
 from tests.helpers import ROOT, prepare_slice, without_matplotlib
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
@@ -347,15 +347,15 @@ def fake_training(monkeypatch, status=0):
         trained.append(cell.name)
         return status
 
-    monkeypatch.setattr("study.run.train_cell", train)
+    monkeypatch.setattr("fathom.study.run.train_cell", train)
     return trained
 
 
 def fake_evaluation(monkeypatch):
     """Validation losses of a model that translates, and a BLEU; returns the cells it decoded."""
     decoded = []
-    monkeypatch.setattr("study.run.valid_nlls", lambda save_dir, data: (3.0, 4.0))
-    monkeypatch.setattr("study.run.bleu", lambda spec, cfg, save_dir: decoded.append(save_dir.name) or 30.0)
+    monkeypatch.setattr("fathom.study.run.valid_nlls", lambda save_dir, data: (3.0, 4.0))
+    monkeypatch.setattr("fathom.study.run.bleu", lambda spec, cfg, save_dir: decoded.append(save_dir.name) or 30.0)
     return decoded
 
 
@@ -449,10 +449,10 @@ def test_a_cell_stalled_when_evaluated_but_trained_by_other_margins_is_decoded(t
     path = write_study(tmp_path, multi30k_slice)
     fake_training(monkeypatch)
     decoded = fake_evaluation(monkeypatch)
-    monkeypatch.setattr("study.run.valid_nlls", lambda save_dir, data: (4.2, 5.0))  # unigram 4.48: stalled
+    monkeypatch.setattr("fathom.study.run.valid_nlls", lambda save_dir, data: (4.2, 5.0))  # unigram 4.48: stalled
     spec = run_study(path)
     assert decoded == []
-    monkeypatch.setattr("study.report.BASELINE_MARGIN", 0.1)
+    monkeypatch.setattr("fathom.study.report.BASELINE_MARGIN", 0.1)
     assert entry(cell_summary(spec, cells(spec)[0], unigram_nll(multi30k_slice))) == (
         "evaluating: training ended at step 12; stalled when evaluated, so not decoded, but trained by today's "
         "margins; the next run evaluates it"
@@ -471,7 +471,7 @@ def test_a_study_killed_while_evaluating_a_cell_reports_and_then_evaluates_it(tm
     def killed(save_dir, data):
         raise KeyboardInterrupt  # what the study sees of a kill, here during the first cell's evaluation
 
-    monkeypatch.setattr("study.run.valid_nlls", killed)
+    monkeypatch.setattr("fathom.study.run.valid_nlls", killed)
     with pytest.raises(KeyboardInterrupt):
         run_study(path)
     first = cells(spec)[0]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from common.jsonl import read_jsonl
-from common.run_layout import TIME_BREAKDOWN_FILE
+from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import TIME_BREAKDOWN_FILE
 from tests.helpers import ROOT, launch
 
 STEPS = 5

@@ -6,10 +6,10 @@ import re
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from fathom.model import ModelConfig, Transformer
+from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
+from fathom.tools.training_comparison import main as compare_main
 from tests.helpers import ROOT
-from tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
-from tools.training_comparison import main as compare_main
 
 VOCAB, DIM, MAX_POSITIONS = 40, 32, 16
 

@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from corpus.dataset import PreparedData
-from corpus.prepare import main as prepare_main
-from model import ModelConfig, Transformer
+from fathom.common.errors import ConfigError
+from fathom.corpus.dataset import PreparedData
+from fathom.corpus.prepare import main as prepare_main
+from fathom.model import ModelConfig, Transformer
+from fathom.model.search import SearchConfig
+from fathom.tools.translation_speed import main as bench_translate_main
+from fathom.translation.generate import main as generate_main
+from fathom.translation.generate import parse_args as parse_generate_args
+from fathom.translation.generate import translate_split
+from fathom.translation.translate import Translator, search_config
+from fathom.translation.translate import main as translate_main
 from tests.helpers import ROOT, write_run, write_slice
-from tools.translation_speed import main as bench_translate_main
-from translation.generate import main as generate_main
-from translation.generate import parse_args as parse_generate_args
-from translation.generate import translate as generate_translate
-from translation.translate import main as translate_main
-from translation.translate import search_config
 
 # A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and
 # these untrained models run every hypothesis to the limit, so batch sizes could not be compared.
@@ -53,6 +55,25 @@ def translate(capsys, monkeypatch, run, data, stdin: bytes, *args):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
     translate_main(["--checkpoint", str(run), "--data", str(data), *SEARCH, *args])
     return capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_the_python_api_translates_as_the_commands_do(capsys, monkeypatch, run, multi30k_slice):
+    """Translator.from_checkpoint(...).translate(lines) from a notebook or a server, and translate_split
+    for a prepared split: the same lines as translate.py and generate.py, with no command line to fake."""
+    lines = source_lines(multi30k_slice)
+    search = SearchConfig(beam=3, lenpen=0.6, max_len_a=0, max_len_b=6)
+    translator = Translator.from_checkpoint(run, multi30k_slice, device="cpu", search=search)
+    stdin = "".join(line + "\n" for line in lines).encode()
+    assert (
+        translator.translate(lines) == translate(capsys, monkeypatch, run, multi30k_slice, stdin).out.split("\n")[:-1]
+    )
+    split = translate_split(run, multi30k_slice, "test", device="cpu", search=search)
+    generate_main(["--checkpoint", str(run), "--data", str(multi30k_slice), *SEARCH, "--output", str(run / "out.txt")])
+    assert split.hypotheses == (run / "out.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert split.references == (multi30k_slice / "test.raw.en").read_text(encoding="utf-8").split("\n")[:-1]
+    with pytest.raises(ConfigError, match="beam: must be at least 1, got 0"):
+        Translator.from_checkpoint(run, multi30k_slice, search=SearchConfig(beam=0))
 
 
 @pytest.mark.slow
@@ -173,7 +194,7 @@ def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp
                  + ["--vocab-size", "300", "--out", str(data)])  # fmt: skip
     run = untrained_run(data, tmp_path / "run")
     args = parse_generate_args(["--checkpoint", str(run), "--data", str(data), "--subset", "test", *SEARCH])
-    hypotheses, references, _ = generate_translate(args, search_config(args))
+    hypotheses, references, _ = translate_split(run, data, "test", search=search_config(args))
     assert references == lines and len(hypotheses) == 12
     capsys.readouterr()
     stdin = (raw / "test_2016_flickr.de").read_bytes()
@@ -314,7 +335,7 @@ def test_two_writers_of_one_output_both_finish_and_leave_one_whole_file(tmp_path
     output renamed each other's file away (FileNotFoundError), e.g. two runs decoding into one file."""
     output, start = tmp_path / "out.txt", time.time() + 8  # both writing at once, once imported
     code = (
-        "import sys, time; from pathlib import Path; from common.files import write_atomic\n"
+        "import sys, time; from pathlib import Path; from fathom.common.files import write_atomic\n"
         "time.sleep(max(0, float(sys.argv[3]) - time.time()))\n"
         "while time.time() < float(sys.argv[3]) + 2: write_atomic(Path(sys.argv[1]), sys.argv[2] * 20000)"
     )

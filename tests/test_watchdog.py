@@ -11,10 +11,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.errors import ConfigError
-from common.run_layout import HEARTBEAT_FILE
-from pipeline.config.run_config import load_config
-from pipeline.safety.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import HEARTBEAT_FILE
+from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.safety.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
 from tests.helpers import ROOT, launch_env, launcher_command
 
 SAVE_DIR = Path("/runs/exp")

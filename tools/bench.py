@@ -30,19 +30,20 @@ from typing import Any
 import deepspeed
 import torch
 
-from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
-from common.files import write_atomic
-from common.heap import set_training_heap
-from common.machine import native_bf16_cpu
-from common.outputs import check_writable_file
-from common.tables import aligned
-from model.model_config import NUM_SPECIAL, ModelConfig
-from model.norms import model_section
-from pipeline.config.run_config import TrainConfig
-from tools import step_profile
-from tools.stage_balance import StageTime, stage_times
-from tools.step_profile import ProfileBench, StepProfile
-from tools.training_speed import (
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
+from fathom.common.files import write_atomic
+from fathom.common.heap import set_training_heap
+from fathom.common.machine import native_bf16_cpu
+from fathom.common.outputs import check_writable_file
+from fathom.common.tables import aligned
+from fathom.model.model_config import NUM_SPECIAL, ModelConfig
+from fathom.model.norms import model_section
+from fathom.pipeline.config.run_config import TrainConfig
+from fathom.tools import step_profile
+from fathom.tools.stage_balance import StageTime, stage_times
+from fathom.tools.step_profile import ProfileBench, StepProfile
+from fathom.tools.training_speed import (
     PEERS,
     PRECISIONS,
     Bench,
@@ -57,7 +58,7 @@ from tools.training_speed import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     depth = parser.add_mutually_exclusive_group()
     depth.add_argument("--layers", type=int, default=6, help="encoder layers = decoder layers (default 6)")
     depth.add_argument(

@@ -15,16 +15,17 @@ import time
 
 import torch
 
-from common.errors import check_number, exit_on_config_error
-from corpus.batches import MicroBatches
-from pipeline.config.run_config import resolve_run
-from pipeline.dropout_masks import DropoutMasks
-from pipeline.launched import init_distributed, launched_world
-from pipeline.train import build_engine, data_position, train_step
+from fathom.common.cli import command_parser
+from fathom.common.errors import check_number, exit_on_config_error
+from fathom.corpus.batches import MicroBatches
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.dropout_masks import DropoutMasks
+from fathom.pipeline.launched import init_distributed, launched_world
+from fathom.pipeline.train import build_engine, data_position, train_step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing")

@@ -6,12 +6,12 @@ import argparse
 import io
 from pathlib import Path
 
-from common.errors import ConfigError, exit_on_config_error
-from common.figures import pyplot
-from common.files import write_atomic
-from common.jsonl import read_jsonl
-from common.outputs import check_writable_file
-from common.run_layout import METRICS_FILE
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.figures import pyplot
+from fathom.common.files import write_atomic
+from fathom.common.jsonl import read_jsonl
+from fathom.common.outputs import check_writable_file
+from fathom.common.run_layout import METRICS_FILE
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,17 +35,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import ConfigError, exit_on_config_error
-from common.machine import cpu
-from common.outputs import check_makeable, check_writable_file
-from common.run_layout import META_FILE
-from common.tables import markdown_table
-from corpus.prepare import SPM_SAMPLE
-from corpus.subwords import TRAINING_THREADS
-from corpus.text import read_lines
-from tools.process_sampling import Measured, StageError, mib, run_sampled
-from tools.standin_corpus import MULTI30K, write_standin
-from tools.translation_speed import FAIRSEQ_ENV
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.machine import cpu
+from fathom.common.outputs import check_makeable, check_writable_file
+from fathom.common.run_layout import META_FILE
+from fathom.common.tables import markdown_table
+from fathom.corpus.prepare import SPM_SAMPLE
+from fathom.corpus.subwords import TRAINING_THREADS
+from fathom.corpus.text import read_lines
+from fathom.tools.process_sampling import Measured, StageError, mib, run_sampled
+from fathom.tools.standin_corpus import MULTI30K, write_standin
+from fathom.tools.translation_speed import FAIRSEQ_ENV
 
 SYSTEMS = ("fathom", "fairseq")
 SRC, TGT = "de", "en"
@@ -73,7 +74,7 @@ MMAP_MAGIC = b"MMIDIDX\x00\x00"  # fairseq's MMapIndexedDataset .idx header: mag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--pairs", type=int, required=True, help="training pairs of the stand-in corpus")
     parser.add_argument("--work", type=Path, required=True, help="the benchmark's directory (made if new)")
     parser.add_argument("--vocab-size", type=int, default=8000, help="SentencePiece vocabulary size")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from common.repo import ROOT
+from fathom.common.repo import ROOT
 
 SAMPLE_INTERVAL_S = 0.1
 

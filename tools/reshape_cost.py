@@ -17,19 +17,20 @@ import re
 import shutil
 from pathlib import Path
 
-from common.errors import check_number, exit_on_config_error
-from common.machine import cpu
-from common.repo import ROOT
-from common.run_layout import latest_tag
-from common.tables import markdown_table
-from pipeline.checkpoint.reshape import converter_command, universal_tag
-from tools.process_sampling import Measured, mib, run_sampled
+from fathom.common.cli import command_parser
+from fathom.common.errors import check_number, exit_on_config_error
+from fathom.common.machine import cpu
+from fathom.common.repo import ROOT
+from fathom.common.run_layout import latest_tag
+from fathom.common.tables import markdown_table
+from fathom.pipeline.checkpoint.reshape import converter_command, universal_tag
+from fathom.tools.process_sampling import Measured, mib, run_sampled
 
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", default=str(ROOT / "ds_configs" / "branchnorm_500L.json"))
     parser.add_argument("--work", required=True, help="an empty or missing directory for the run")
     parser.add_argument("--json", help="write the results here too")

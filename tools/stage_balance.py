@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from corpus.batches import MicroBatch
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import ModelConfig
-from model.parts import build_parts
-from pipeline.partition import stage_bounds
-from pipeline.stage_modules import pipe_parts
-from tools.training_speed import time_steps
+from fathom.corpus.batches import MicroBatch
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import ModelConfig
+from fathom.model.parts import build_parts
+from fathom.pipeline.partition import stage_bounds
+from fathom.pipeline.stage_modules import pipe_parts
+from fathom.tools.training_speed import time_steps
 
 
 @dataclass

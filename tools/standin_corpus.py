@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.repo import ROOT
-from corpus.text import read_lines
+from fathom.common.repo import ROOT
+from fathom.corpus.text import read_lines
 
 MULTI30K = ROOT / "data" / "multi30k"
 CHUNK = 100_000  # pairs written at a time

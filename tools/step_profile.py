@@ -53,17 +53,17 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-from common.errors import ConfigError
-from corpus.batches import DataPosition, MicroBatch
-from model.layers import compile_layers, compiler_missing
-from model.model_config import ModelConfig
-from model.norms import build_scheme
-from model.transformer import Transformer
-from pipeline.config.deepspeed_values import check_deepspeed
-from pipeline.cuda_graphs import graph_layers
-from pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
-from pipeline.engine_patches import patch_training
-from tools.training_speed import (
+from fathom.common.errors import ConfigError
+from fathom.corpus.batches import DataPosition, MicroBatch
+from fathom.model.layers import compile_layers, compiler_missing
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import build_scheme
+from fathom.model.transformer import Transformer
+from fathom.pipeline.config.deepspeed_values import check_deepspeed
+from fathom.pipeline.cuda_graphs import graph_layers
+from fathom.pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
+from fathom.pipeline.engine_patches import patch_training
+from fathom.tools.training_speed import (
     ADAMW,
     Step,
     built_engine,

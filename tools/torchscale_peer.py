@@ -9,9 +9,9 @@ import types
 import torch
 from torch import nn
 
-from common.errors import ConfigError
-from model.embedding import sinusoidal_table
-from model.model_config import PAD, ModelConfig
+from fathom.common.errors import ConfigError
+from fathom.model.embedding import sinusoidal_table
+from fathom.model.model_config import PAD, ModelConfig
 
 # Our schemes that torchscale implements, as its config flags. torchscale's default is Sub-LN, so
 # Post-LN and Pre-LN must turn subln off; deepnorm=True turns it off by itself.

@@ -13,7 +13,6 @@ seeded draws, so compare trends, not digits.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,14 +21,15 @@ import torch
 from deepspeed.runtime import lr_schedules
 from torch import nn
 
-from common.errors import ConfigError, exit_on_config_error
-from corpus.batches import MicroBatches, collate
-from model import Transformer
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import PAD
-from pipeline.config.run_config import RunConfig, build_corpus, resolve_run
-from study.source_use import nll, with_shuffled_sources
-from tools.torchscale_peer import torchscale_model
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.corpus.batches import MicroBatches, collate
+from fathom.model import Transformer
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import PAD
+from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from fathom.study.source_use import nll, with_shuffled_sources
+from fathom.tools.torchscale_peer import torchscale_model
 
 ENCODER_SPREAD_SENTENCES = 64
 
@@ -120,7 +120,7 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("--config", required=True, help="an experiment config with a prepared data.path")
     parser.add_argument("--override", nargs="*", default=[], help="dotted KEY=VALUE changes, as train.py takes")
     parser.add_argument("--at", type=int, nargs="+", required=True, help="the steps to measure after")

@@ -40,22 +40,22 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from common.errors import ConfigError
-from common.jsonl import read_jsonl
-from common.ports import free_port
-from common.tables import markdown_table
-from corpus.batches import MicroBatch, collate
-from model.layers import compile_layers, compiler_missing
-from model.loss import label_smoothed_cross_entropy
-from model.model_config import NUM_SPECIAL, ModelConfig
-from model.norms import build_scheme
-from model.transformer import Transformer
-from pipeline.config.deepspeed_values import check_deepspeed
-from pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from pipeline.deepspeed_internals import clear_pipe_buffers
-from pipeline.launched import release_shm_buffer
-from pipeline.train import build_engine
-from tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
+from fathom.common.errors import ConfigError
+from fathom.common.jsonl import read_jsonl
+from fathom.common.ports import free_port
+from fathom.common.tables import markdown_table
+from fathom.corpus.batches import MicroBatch, collate
+from fathom.model.layers import compile_layers, compiler_missing
+from fathom.model.loss import label_smoothed_cross_entropy
+from fathom.model.model_config import NUM_SPECIAL, ModelConfig
+from fathom.model.norms import build_scheme
+from fathom.model.transformer import Transformer
+from fathom.pipeline.config.deepspeed_values import check_deepspeed
+from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
+from fathom.pipeline.deepspeed_internals import clear_pipe_buffers
+from fathom.pipeline.launched import release_shm_buffer
+from fathom.pipeline.train import build_engine
+from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
 # What our plain loop ("fathom") can be compared with; bf16-weights: ours in pure bf16 whatever the precision.

@@ -35,17 +35,25 @@ from pathlib import Path
 
 import torch
 
-from common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
-from common.heap import decoding_env, keep_freed_blocks
-from common.outputs import check_writable_file
-from common.tables import markdown_row, markdown_rule, markdown_table
-from convert.to_fairseq import main as export_main
-from corpus.dataset import BinarizedCorpus
-from model.full_recompute_search import full_recompute_search
-from model.model_config import NUM_SPECIAL, ModelConfig
-from model.search import SearchConfig, beam_search
-from translation.generate import split_batches
-from translation.translate import SearchFn, Translator, add_model_args, option_name, search_config
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
+from fathom.common.heap import decoding_env, keep_freed_blocks
+from fathom.common.outputs import check_writable_file
+from fathom.common.tables import markdown_row, markdown_rule, markdown_table
+from fathom.convert.to_fairseq import main as export_main
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.model.full_recompute_search import full_recompute_search
+from fathom.model.model_config import NUM_SPECIAL, ModelConfig
+from fathom.model.search import SearchConfig, beam_search
+from fathom.translation.generate import split_batches
+from fathom.translation.translate import (
+    SearchFn,
+    Translator,
+    add_model_args,
+    command_line_translator,
+    option_name,
+    search_config,
+)
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))
@@ -53,7 +61,7 @@ TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     add_model_args(parser)
     parser.add_argument("--subset", default="test")
     parser.add_argument("--sentences", type=int, default=0, help="the split's first N sentences only (0: all)")
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         check_writable_file(Path(args.json), "--json")
     torch.set_num_threads(args.threads)
     corpus = BinarizedCorpus(args.data, args.subset)
-    translator = Translator(args, search_cfg)
+    translator = command_line_translator(args, search_cfg)
     sources = [corpus.sources[i] for i in range(min(args.sentences or len(corpus), len(corpus)))]
     batches = split_batches(corpus, len(sources), search_cfg.batch_size)  # fairseq-generate's
     with tempfile.TemporaryDirectory() as workdir:
@@ -241,7 +249,7 @@ def depth_main(argv: list[str] | None = None) -> None:
 
         python scripts/bench_translate.py depth [--depths 25,50,100] [--dim 128] [--length 30] [--sentences 64]
     """
-    from model import Transformer
+    from fathom.model import Transformer
 
     args = parse_depth_args(argv)
     with exit_on_config_error():

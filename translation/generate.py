@@ -17,20 +17,22 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from common.errors import exit_on_config_error
-from common.files import write_atomic
-from common.heap import keep_freed_blocks
-from common.outputs import check_writable_file
-from corpus.batches import fairseq_batches
-from corpus.dataset import BinarizedCorpus
-from corpus.text import read_lines
-from model.search import SearchConfig
-from translation.translate import Translator, add_model_args, print_scores, search_config
+from fathom.common.cli import command_parser
+from fathom.common.errors import exit_on_config_error
+from fathom.common.files import write_atomic
+from fathom.common.heap import keep_freed_blocks
+from fathom.common.outputs import check_writable_file
+from fathom.corpus.batches import fairseq_batches
+from fathom.corpus.dataset import BinarizedCorpus
+from fathom.corpus.text import read_lines
+from fathom.model.search import SearchConfig
+from fathom.translation.translate import Translator, add_model_args, print_scores, search_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     add_model_args(parser)
     parser.add_argument("--subset", default="test")
     parser.add_argument("--output", default=None, help="hypotheses file (default: SAVE_DIR/generate-SUBSET.txt)")
@@ -44,24 +46,35 @@ def split_batches(corpus: BinarizedCorpus, count: int, size: int) -> list[list[i
     return fairseq_batches(*lengths, size, shuffled=corpus.split != "test")
 
 
-def translate(
-    args: argparse.Namespace, search_cfg: SearchConfig, output: Path | None = None
-) -> tuple[list[str], list[str], float]:
-    """(hypotheses, references) of the split, in the split's order, and the seconds the search took, with
-    `search_cfg` (checked: search_config(args), or the depth study's). The data and the checkpoint are
-    checked first, then that `output` can be written, then the search runs."""
-    corpus = BinarizedCorpus(args.data, args.subset)
-    translator = Translator(args, search_cfg)
+class Translated(NamedTuple):
+    hypotheses: list[str]  # detokenized, in the split's order
+    references: list[str]  # the split's raw target lines
+    seconds: float  # the search's time
+
+
+def translate_split(
+    run_dir: str | Path,
+    data: str | Path,
+    subset: str = "test",
+    tag: str | None = None,
+    device: str | None = None,
+    precision: str = "fp32",
+    search: SearchConfig | None = None,
+    output: Path | None = None,
+) -> Translated:
+    """A prepared split translated with the run's checkpoint (Translator.from_checkpoint's arguments) in
+    fairseq-generate's batches. The split and the checkpoint are checked first, then that `output` (where
+    the caller will write the hypotheses) can be written, then the search runs."""
+    corpus = BinarizedCorpus(data, subset)
+    translator = Translator.from_checkpoint(run_dir, data, tag, device, precision, search)
     if output is not None:
         check_writable_file(output, "--output", {"the references": corpus.references()})
     sources = [corpus.sources[i] for i in range(len(corpus))]
     tick = time.perf_counter()
-    found = translator.search(
-        sources, split_batches(corpus, len(corpus), search_cfg.batch_size), f"translating {args.subset}"
-    )
+    batches = split_batches(corpus, len(corpus), translator.search_cfg.batch_size)
+    found = translator.search(sources, batches, f"translating {subset}")
     seconds = time.perf_counter() - tick
-    references = read_lines(corpus.references())
-    return [translator.detokenize(h) for h in found], references, seconds
+    return Translated([translator.detokenize(h) for h in found], read_lines(corpus.references()), seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     with exit_on_config_error():
-        hypotheses, references, seconds = translate(args, search_config(args), output)
+        hypotheses, references, seconds = translate_split(
+            args.checkpoint, args.data, args.subset, args.tag, args.device, args.precision, search_config(args), output
+        )
         write_atomic(output, "".join(h + "\n" for h in hypotheses))
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
     print_scores(hypotheses, references, file=sys.stdout)

@@ -25,17 +25,18 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
-from common.errors import ConfigError, exit_on_config_error
-from common.files import write_atomic
-from common.heap import keep_freed_blocks
-from common.outputs import check_writable_file
-from corpus.batches import length_batches, with_eos
-from corpus.dataset import PreparedData, check_vocab
-from corpus.text import blank, decode_lines, read_lines
-from model.model_config import DTYPES
-from model.search import Hypothesis, SearchConfig, beam_search
-from model.trained import load_reference
-from model.transformer import Transformer
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import write_atomic
+from fathom.common.heap import keep_freed_blocks
+from fathom.common.outputs import check_writable_file
+from fathom.corpus.batches import length_batches, with_eos
+from fathom.corpus.dataset import PreparedData, check_vocab
+from fathom.corpus.text import blank, decode_lines, read_lines
+from fathom.model.model_config import DTYPES
+from fathom.model.search import Hypothesis, SearchConfig, beam_search
+from fathom.model.trained import load_reference
+from fathom.model.transformer import Transformer
 
 SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 
@@ -90,20 +91,64 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
 
 
 class Translator:
-    """A run's model on a device, with the dictionaries and SentencePiece models of its data, decoding
-    with `search_cfg`: search_config(args) or the depth study's, checked by the caller before any work."""
+    """A trained model on a device, with its data's dictionaries and SentencePiece models, decoding with
+    `search_cfg`. From Python:
 
-    def __init__(self, args: argparse.Namespace, search_cfg: SearchConfig):
-        self.search_cfg = search_cfg
-        device, dtype = device_and_dtype(args.device, args.precision)
-        self.data = PreparedData(args.data)
-        self.model: Transformer = load_reference(args.checkpoint, args.tag).to(device, dtype)
-        check_vocab(args.checkpoint, self.model.cfg, self.data)
-        self.args = args
+        translator = Translator.from_checkpoint("checkpoints/my_pair", "data-bin/my_pair", tag="best")
+        translator.translate(["Ein Hund rennt über die Wiese."])
+    """
+
+    def __init__(self, model: Transformer, data: PreparedData, search_cfg: SearchConfig):
+        self.model, self.data, self.search_cfg = model, data, search_cfg
         self.tokenizer, self.detokenizer = (
-            spm.SentencePieceProcessor(model_file=str(self.data.sentencepiece_model(lang)))
-            for lang in (self.data.src, self.data.tgt)
+            spm.SentencePieceProcessor(model_file=str(data.sentencepiece_model(lang))) for lang in (data.src, data.tgt)
         )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        run_dir: str | Path,
+        data: str | Path,
+        tag: str | None = None,
+        device: str | None = None,
+        precision: str = "fp32",
+        search: SearchConfig | None = None,
+    ) -> Translator:
+        """The run's checkpoint `tag` (default: latest; any depth, any stage count) in the single-process
+        model, on `device` (default: cuda if there is one) in `precision` (fp32, bf16, fp16), with the
+        prepared data directory `data` it was trained on. Fails in one ConfigError line where the search
+        settings, the device, the data or the checkpoint cannot be used."""
+        search = SearchConfig() if search is None else search
+        search.check(lambda name: name)
+        where, dtype = device_and_dtype(device, precision)
+        prepared = PreparedData(data)
+        model = load_reference(run_dir, tag).to(where, dtype)
+        check_vocab(run_dir, model.cfg, prepared)
+        return cls(model, prepared, search)
+
+    def translate(self, lines: list[str], progress: str | None = None) -> list[str]:
+        """Translations of `lines` in their order, decoded in batches of similar source lengths; a line
+        that shows nothing (corpus.text.blank) gives an empty line and is not decoded; with `progress`, a
+        progress bar of that name on stderr."""
+        sources = self.encode(lines)
+        todo = [i for i, line in enumerate(lines) if not blank(line)]
+        found = self.search(sources, length_batches(sources, todo, self.search_cfg.batch_size), progress)
+        return ["" if hypothesis is None else self.detokenize(hypothesis) for hypothesis in found]
+
+    def encode(self, lines: list[str]) -> list[torch.Tensor]:
+        """Source token ids of each line; a line over the model's positions is cut to fit."""
+        room = self.model.cfg.max_positions - 1  # and the eos
+        sources = []
+        for lineno, pieces in enumerate(self.tokenizer.encode(lines, out_type=str), 1):
+            if len(pieces) > room:
+                print(
+                    f"fathom: warning: line {lineno}: {len(pieces)} pieces, cut to the model's {room} "
+                    f"(model.max_positions {room + 1})",
+                    file=sys.stderr,
+                )
+                pieces = pieces[:room]
+            sources.append(torch.tensor(self.data.src_dict.encode(pieces), dtype=torch.long))
+        return sources
 
     def search(
         self,
@@ -126,8 +171,13 @@ class Translator:
         return self.data.target_text(hypothesis.tokens, self.detokenizer)
 
 
+def command_line_translator(args: argparse.Namespace, search_cfg: SearchConfig) -> Translator:
+    """The Translator add_model_args' options choose, with `search_cfg` (search_config(args), checked)."""
+    return Translator.from_checkpoint(args.checkpoint, args.data, args.tag, args.device, args.precision, search_cfg)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     add_model_args(parser)
     parser.add_argument("--input", default=None, help="one sentence a line (default: stdin)")
     parser.add_argument("--output", default=None, help="translations, one a line (default: stdout)")
@@ -145,31 +195,6 @@ def read_input(path: str | None) -> list[str]:
     if not lines:
         raise ConfigError(f"{path or 'stdin'}: no lines to translate; pass a file with one sentence a line")
     return lines
-
-
-def encode(translator: Translator, lines: list[str]) -> list[torch.Tensor]:
-    """Source token ids of each line; a line over the model's positions is cut to fit."""
-    room = translator.model.cfg.max_positions - 1  # and the eos
-    sources = []
-    for lineno, pieces in enumerate(translator.tokenizer.encode(lines, out_type=str), 1):
-        if len(pieces) > room:
-            print(
-                f"fathom: warning: line {lineno}: {len(pieces)} pieces, cut to the model's {room} "
-                f"(model.max_positions {room + 1})",
-                file=sys.stderr,
-            )
-            pieces = pieces[:room]
-        sources.append(torch.tensor(translator.data.src_dict.encode(pieces), dtype=torch.long))
-    return sources
-
-
-def translate_lines(translator: Translator, lines: list[str], progress: str | None) -> list[str]:
-    """Translations of lines in input order, decoded in batches of similar source lengths; a line that
-    shows nothing (corpus.text.blank) gives an empty line and is not decoded."""
-    sources = encode(translator, lines)
-    todo = [i for i, line in enumerate(lines) if not blank(line)]
-    found = translator.search(sources, length_batches(sources, todo, translator.search_cfg.batch_size), progress)
-    return ["" if hypothesis is None else translator.detokenize(hypothesis) for hypothesis in found]
 
 
 def read_references(path: str, count: int) -> list[str]:
@@ -208,8 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.output:
             check_writable_file(Path(args.output), "--output", {"--input": args.input, "--reference": args.reference})
         references = read_references(args.reference, len(lines)) if args.reference else None
-        translator = Translator(args, search_cfg)
-        translations = translate_lines(translator, lines, progress=None if args.input is None else "translating")
+        translator = command_line_translator(args, search_cfg)
+        translations = translator.translate(lines, progress=None if args.input is None else "translating")
         text = "".join(line + "\n" for line in translations)
         if args.output:
             write_atomic(Path(args.output), text)

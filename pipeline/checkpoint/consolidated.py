@@ -22,12 +22,13 @@ import os
 import stat
 from pathlib import Path
 
-from common.errors import ConfigError, exit_on_config_error
-from common.files import save_file, unique_sibling, write_atomic
-from common.outputs import check_makeable
-from common.run_layout import checkpoint_dir
-from model.model_config import DTYPES
-from model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import save_file, unique_sibling, write_atomic
+from fathom.common.outputs import check_makeable
+from fathom.common.run_layout import checkpoint_dir
+from fathom.model.model_config import DTYPES
+from fathom.model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
 
 WEIGHTS = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into a save_dir
@@ -37,7 +38,7 @@ DTYPE_NAMES = {**{name: name for name in DTYPES}, "float32": "fp32", "float16": 
 
 def parse_args(argv: list[str] | None, dtype_required: bool) -> argparse.Namespace:
     """DeepSpeed's zero_to_fp32.py arguments (zero_to_torch.py's with `dtype_required`)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__doc__)
     parser.add_argument("checkpoint_dir", help="train.save_dir of a run")
     parser.add_argument("output_dir", help=f"directory to write {WEIGHTS} into (made if missing)")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: latest)")

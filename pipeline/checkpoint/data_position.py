@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from common.checkpoint_format import DATA_POSITION
-from common.errors import ConfigError
-from common.sections import OnResume
-from corpus.batches import BatchSize, ParallelCorpus, epoch_length
-from pipeline.config.deepspeed_values import accumulation
-from pipeline.config.history import read_back
-from pipeline.config.resume_rules import setting, settings_with
-from pipeline.config.run_config import RunConfig
+from fathom.common.checkpoint_format import DATA_POSITION
+from fathom.common.errors import ConfigError
+from fathom.common.sections import OnResume
+from fathom.corpus.batches import BatchSize, ParallelCorpus, epoch_length
+from fathom.pipeline.config.deepspeed_values import accumulation
+from fathom.pipeline.config.history import read_back
+from fathom.pipeline.config.resume_rules import setting, settings_with
+from fathom.pipeline.config.run_config import RunConfig
 
 MICRO_BATCH = "train_micro_batch_size_per_gpu"
 

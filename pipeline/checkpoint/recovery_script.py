@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 try:
-    from pipeline.checkpoint.consolidated import main
+    from fathom.pipeline.checkpoint.consolidated import main
 except ModuleNotFoundError as err:
-    if not err.name.startswith("pipeline"):
+    if not err.name.startswith("fathom"):
         raise
     # Run with a Python without fathom: one line saying what to run instead of a traceback.
     print(

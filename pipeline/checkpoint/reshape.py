@@ -31,7 +31,7 @@ from typing import Any
 import deepspeed
 import torch.distributed as dist
 
-from common.checkpoint_format import (
+from fathom.common.checkpoint_format import (
     OPTIMIZER_FILE,
     STAGE_FILE,
     file_damage,
@@ -39,9 +39,9 @@ from common.checkpoint_format import (
     read_manifest,
     write_manifest,
 )
-from common.errors import ConfigError
-from common.files import fsync_dir, unique_sibling
-from pipeline.deepspeed_internals import built_stage_bounds
+from fathom.common.errors import ConfigError
+from fathom.common.files import fsync_dir, unique_sibling
+from fathom.pipeline.deepspeed_internals import built_stage_bounds
 
 UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
 

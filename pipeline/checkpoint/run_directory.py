@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from common.errors import ConfigError
-from common.run_layout import LOCK_FILE, has_checkpoints, reserved_name
+from fathom.common.errors import ConfigError
+from fathom.common.run_layout import LOCK_FILE, has_checkpoints, reserved_name
 
 
 def _try_lock(path: Path) -> IO[str] | None:

@@ -29,7 +29,7 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-from common.checkpoint_format import (
+from fathom.common.checkpoint_format import (
     MANIFEST,
     deepspeed_state_types,
     file_damage,
@@ -40,22 +40,29 @@ from common.checkpoint_format import (
     read_manifest,
     write_manifest,
 )
-from common.errors import ConfigError
-from common.files import fsync_dir, save_file, unique_sibling, write_atomic
-from common.run_layout import BEST, CONFIG_FILE, LATEST, best_tag, latest_tag, leftovers, linked_best, step_tag
-from common.sections import OnResume
-from corpus.batches import ParallelCorpus
-from corpus.dataset import PreparedData, check_vocab
-from model.norms import scheme_options
-from model.trained import check_same_model, model_config
-from pipeline.checkpoint.data_position import resume_position, saved_position
-from pipeline.checkpoint.reshape import Shape, engine_shape, prepare_reshape, remove_universal, saved_shape, sharded
-from pipeline.config.deepspeed_values import precision, zero_optimization_stage
-from pipeline.config.history import flat, read_back, shown
-from pipeline.config.resume_rules import deepspeed_rule, settings_with
-from pipeline.config.run_config import RunConfig
-from pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
-from pipeline.launched import end_distributed
+from fathom.common.errors import ConfigError
+from fathom.common.files import fsync_dir, save_file, unique_sibling, write_atomic
+from fathom.common.run_layout import BEST, CONFIG_FILE, LATEST, best_tag, latest_tag, leftovers, linked_best, step_tag
+from fathom.common.sections import OnResume
+from fathom.corpus.batches import ParallelCorpus
+from fathom.corpus.dataset import PreparedData, check_vocab
+from fathom.model.norms import scheme_options
+from fathom.model.trained import check_same_model, model_config
+from fathom.pipeline.checkpoint.data_position import resume_position, saved_position
+from fathom.pipeline.checkpoint.reshape import (
+    Shape,
+    engine_shape,
+    prepare_reshape,
+    remove_universal,
+    saved_shape,
+    sharded,
+)
+from fathom.pipeline.config.deepspeed_values import precision, zero_optimization_stage
+from fathom.pipeline.config.history import flat, read_back, shown
+from fathom.pipeline.config.resume_rules import deepspeed_rule, settings_with
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
+from fathom.pipeline.launched import end_distributed
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):

@@ -27,8 +27,8 @@ import logging
 from collections.abc import Callable, ItemsView, Iterator, KeysView, ValuesView
 from typing import Any
 
-from common.errors import ConfigError, closest
-from common.sections import check_value
+from fathom.common.errors import ConfigError, closest
+from fathom.common.sections import check_value
 
 # Read outside DeepSpeedConfig, by deepspeed.initialize itself (deepspeed/__init__.py, 0.19.8).
 READ_BY_INITIALIZE = frozenset({"sequence_parallel_size", "data_parallel_size"})

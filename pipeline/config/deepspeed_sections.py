@@ -16,8 +16,8 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from common.errors import ConfigError
-from pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, probe_config
+from fathom.common.errors import ConfigError
+from fathom.pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, probe_config
 
 # Keys DeepSpeed's engine applies in fathom's, and what they do there.
 APPLIED = {
@@ -32,7 +32,7 @@ APPLIED = {
     "fp16": "the precision (on GPUs, with ZeRO-1)",
     "gradient_clipping": "the clipping norm",
     "pipeline": "stages, activation checkpointing interval, partition (fathom's keys and DeepSpeed's)",
-    "csv_monitor": "the engine's train loss and learning rate per step, as CSV files",
+    "csv_monitor": "the engine's train loss and learning rate, and fathom's figures (fathom/KEY), as CSV files",
     "tensorboard": "the same events as csv_monitor, as TensorBoard files (needs the tensorboard package)",
     "wandb": "the same events as csv_monitor, to Weights & Biases (needs the wandb package)",
     "comet": "the same events as csv_monitor, to Comet (needs the comet_ml package)",

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from common.errors import ConfigError, unknown_key_error
-from common.machine import native_bf16_cpu
-from common.outputs import check_makeable
-from common.sections import check_value
-from model.model_config import ModelConfig
-from pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
-from pipeline.config.deepspeed_sections import check_sections
-from pipeline.stage_modules import pipe_parts
+from fathom.common.errors import ConfigError, unknown_key_error
+from fathom.common.machine import native_bf16_cpu
+from fathom.common.outputs import check_makeable
+from fathom.common.sections import check_value
+from fathom.model.model_config import ModelConfig
+from fathom.pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
+from fathom.pipeline.config.deepspeed_sections import check_sections
+from fathom.pipeline.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/partition.py

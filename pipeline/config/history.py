@@ -13,11 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.files import write_atomic
-from common.jsonl import read_jsonl
-from common.run_layout import CONFIG_FILE, CONFIG_HISTORY
-from common.sections import OnResume
-from pipeline.config.resume_rules import settings_with
+from fathom.common.files import write_atomic
+from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import CONFIG_FILE, CONFIG_HISTORY
+from fathom.common.sections import OnResume
+from fathom.pipeline.config.resume_rules import settings_with
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

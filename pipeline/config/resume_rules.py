@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.sections import OnResume, resume_rules
-from model.model_config import ModelConfig
-from model.norms import scheme_option_rules
-from pipeline.config.run_config import DataConfig, TrainConfig
+from fathom.common.sections import OnResume, resume_rules
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import scheme_option_rules
+from fathom.pipeline.config.run_config import DataConfig, TrainConfig
 
 # DeepSpeed's keys apply from the first resumed step (the engine is built from the config at every launch;
 # a new pipeline shape is a reshape, pipeline/checkpoint/reshape.py), but for these. A section's entry

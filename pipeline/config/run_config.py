@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Literal
 
-from common.errors import ConfigError
-from common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
-from corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
-from corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
-from model.model_config import ModelConfig
-from model.norms import model_section, parse_model
-from model.search import SearchConfig
-from pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
+from fathom.common.errors import ConfigError
+from fathom.common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
+from fathom.corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
+from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
+from fathom.model.model_config import ModelConfig
+from fathom.model.norms import model_section, parse_model
+from fathom.model.search import SearchConfig
+from fathom.pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
 
 def check_no_tilde(path: str | None, key: str) -> None:
@@ -233,9 +234,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         node[path[-1]] = value
 
 
+def config_file(name: str | Path) -> Path:
+    """The config at `name`; where no such file exists and `name` is a bare name, the config fathom ships
+    under it (`default` or `default.json`), so that an installed fathom runs from any directory."""
+    path = Path(name)
+    if path.exists() or path.parent != Path("."):
+        return path
+    shipped = files("fathom.ds_configs") / (path.name if path.suffix == ".json" else f"{path.name}.json")
+    return Path(str(shipped)) if shipped.is_file() else path
+
+
+def shipped_configs() -> list[str]:
+    """The names of the training configs fathom ships (its study specs, also in ds_configs/, left out)."""
+    shipped = [p for p in files("fathom.ds_configs").iterdir() if p.name.endswith(".json")]
+    return sorted(p.name.removesuffix(".json") for p in shipped if "model" in json.loads(p.read_text()))
+
+
 def read_json(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such config; give a config file or a shipped one by name: {', '.join(shipped_configs())}"
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None
     except UnicodeDecodeError as err:
@@ -261,6 +282,7 @@ def check_finite(node: Any, path: str = "") -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] = (), world_size: int | None = 1) -> RunConfig:
+    path = config_file(path)
     raw = read_json(path)
     apply_overrides(raw, list(overrides))
     check_finite(raw)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.run_layout import MEMORY_FILE
+from fathom.common.run_layout import MEMORY_FILE
 
 GiB = 2**30
 

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
-from common.run_layout import HEARTBEAT_FILE, has_checkpoints, latest_tag
-from pipeline.checkpoint.run_directory import RunDirectory
-from pipeline.checkpoint.saving import remove_uncommitted
-from pipeline.safety.watchdog import Watchdog
+from fathom.common.run_layout import HEARTBEAT_FILE, has_checkpoints, latest_tag
+from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.checkpoint.saving import remove_uncommitted
+from fathom.pipeline.safety.watchdog import Watchdog
 
 # SIGHUP: the terminal or ssh session the job was started from went away.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from common.run_layout import HEARTBEAT_FILE
+from fathom.common.run_layout import HEARTBEAT_FILE
 
 # The backend (gloo, nccl) gives up this long after hang_timeout, so the watchdog, which decides within
 # one check interval of it, names the rank first; the backend's own error names none.

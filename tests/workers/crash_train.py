@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint import saving
-from pipeline.launched import run_launched
-from pipeline.train import main
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.launched import run_launched
+from fathom.pipeline.train import main
 
 
 def die() -> None:

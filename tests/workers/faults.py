@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from model.parts import module_names
-from pipeline import train as training
-from pipeline.config.run_config import resolve_run
-from pipeline.deepspeed_internals import stage_layers, stage_range
-from pipeline.launched import run_launched
+from fathom.model.parts import module_names
+from fathom.pipeline import train as training
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.deepspeed_internals import stage_layers, stage_range
+from fathom.pipeline.launched import run_launched
 
 build_engine = training.build_engine
 

@@ -10,9 +10,9 @@ import sys
 
 from recorded import PARAMETERS, eager_record  # beside this file
 
-from pipeline import cuda_graphs, preflight
-from pipeline import train as training
-from pipeline.launched import run_launched
+from fathom.pipeline import cuda_graphs, preflight
+from fathom.pipeline import train as training
+from fathom.pipeline.launched import run_launched
 
 cuda_graphs.recordable = lambda tensor: True
 cuda_graphs.record = eager_record

@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common.run_layout import CONFIG_FILE
-from corpus.batches import MicroBatches
-from model.norms import ScheduleHook, build_scheme
-from pipeline import admin_profile
-from pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
-from pipeline.decode import translate
-from pipeline.deepspeed_internals import stage_range
-from pipeline.launched import init_distributed, run_launched
-from pipeline.stage_modules import DecoderLayerPipe, EncoderLayerPipe
-from pipeline.train import build_engine, profile_batch, train_step
+from fathom.common.run_layout import CONFIG_FILE
+from fathom.corpus.batches import MicroBatches
+from fathom.model.norms import ScheduleHook, build_scheme
+from fathom.pipeline import admin_profile
+from fathom.pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
+from fathom.pipeline.decode import translate
+from fathom.pipeline.deepspeed_internals import stage_range
+from fathom.pipeline.launched import init_distributed, run_launched
+from fathom.pipeline.stage_modules import DecoderLayerPipe, EncoderLayerPipe
+from fathom.pipeline.train import build_engine, profile_batch, train_step
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 DECODED = 12  # validation sentences translated through the stages, in batches of 5

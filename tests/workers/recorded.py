@@ -3,7 +3,7 @@ replays write the layer's results into fixed buffers, which the next replay over
 
 import torch
 
-from pipeline.cuda_graphs import Recording
+from fathom.pipeline.cuda_graphs import Recording
 
 # data_ptr -> parameter: the layer's own parameters, which a replay differentiates to where the graphs
 # write the gradients of the stand-ins they were recorded with

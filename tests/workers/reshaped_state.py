@@ -7,11 +7,11 @@ Usage: reshaped_state.py CONFIG OUT_DIR WORLD_SIZE OVERRIDE...
 import sys
 from pathlib import Path
 
-from common.checkpoint_format import DATA_POSITION, SCHEDULE_OFFSET
-from pipeline.checkpoint import saving
-from pipeline.config.run_config import resolve_run
-from pipeline.launched import init_distributed, run_launched
-from pipeline.train import build_engine
+from fathom.common.checkpoint_format import DATA_POSITION, SCHEDULE_OFFSET
+from fathom.pipeline.checkpoint import saving
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.launched import init_distributed, run_launched
+from fathom.pipeline.train import build_engine
 
 
 def main():

@@ -6,9 +6,9 @@ Usage: train_cases.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from pipeline.config.run_config import resolve_run
-from pipeline.launched import run_launched
-from pipeline.train import train
+from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.launched import run_launched
+from fathom.pipeline.train import train
 
 
 def main():

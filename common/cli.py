@@ -15,10 +15,8 @@ def versions() -> str:
     return f"fathom {version('fathom')}, DeepSpeed {deepspeed}"
 
 
-def command_parser(description: str | None, **kwargs: object) -> argparse.ArgumentParser:
+def command_parser(description: str | None) -> argparse.ArgumentParser:
     """An ArgumentParser whose help keeps the docstring's line breaks, with `--version`."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
-    )
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=versions())
     return parser

@@ -47,7 +47,7 @@ format:
 # each other, which a second worker overlaps even on 2 cores (22 min instead of 29 on a 2-core Xeon)
 test: EXTRAS = dev,mpi
 test: mpi install peers lint
-	$(PYTHON) -m pytest -n 2
+	$(PYTHON) -m pytest -n 2 --durations=25
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set with the best and the
 # averaged last 5 checkpoints, score, plot.

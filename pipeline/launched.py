@@ -10,6 +10,7 @@ one machine split its cores. `end_distributed` and `run_launched` are how a laun
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import sys
@@ -106,6 +107,16 @@ def end_distributed() -> None:
         dist.destroy_process_group()
 
 
+def whole_lines(*streams: object) -> None:
+    """Each line printed reaches the file in one write. DeepSpeed's launcher starts ranks with
+    `python -u`, whose print writes a line's text and its newline separately, so the launcher's own
+    output on the same pipe could land between them: `...continues from global_step3[INFO] Killing
+    subprocess` and a line that no reader (or test) finds."""
+    for stream in streams:
+        if isinstance(stream, io.TextIOWrapper):  # not a notebook's stream, say
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def run_launched(main: Callable[[], object]) -> NoReturn:
     """Runs a launched process's main; if it returns, every rank got there, so they meet and end the
     process group (end_distributed). Then ends the process with main's exit status, skipping the
@@ -113,6 +124,7 @@ def run_launched(main: Callable[[], object]) -> NoReturn:
     destroy_process_group cannot free them, and gloo objects freed while the interpreter finalizes can
     abort a run that has finished: "terminate called without an active exception", exit 250, twice in
     CI after a run's last line (the mechanism: pytorch/pytorch#179291). Tracebacks print as usual."""
+    whole_lines(sys.stdout, sys.stderr)
     try:
         main()
         end_distributed()

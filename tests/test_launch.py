@@ -1,5 +1,6 @@
 """scripts/launch.py's checks before launching, and the world each launcher's environment describes."""
 
+import io
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ from deepspeed.launcher import runner
 
 from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline import launcher_checks
-from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world
+from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from fathom.pipeline.train import main as train_main
 from tests.helpers import ROOT
 
@@ -155,6 +156,35 @@ def test_cpu_threads_split_the_machine_unless_omp_num_threads_says(monkeypatch):
     assert cpu_threads({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "1"}) == 16  # one rank per node
     assert cpu_threads({"RANK": "0", "WORLD_SIZE": "64", "LOCAL_SIZE": "32"}) == 1
     assert cpu_threads({"LOCAL_SIZE": "1", "OMP_NUM_THREADS": "3"}) == 3
+
+
+class Writes(io.RawIOBase):
+    """A pipe's end, counting write calls: each is what another process's output can land between."""
+
+    def __init__(self):
+        self.writes = []
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.writes.append(bytes(data).decode())
+        return len(data)
+
+
+def test_a_launched_ranks_lines_are_written_whole():
+    """The launcher starts ranks with `python -u`: unbuffered, write-through. Without whole_lines a
+    printed line is two writes (its text, then its newline), and the launcher's own log line on the
+    same pipe could land between them."""
+    pipe = Writes()
+    stream = io.TextIOWrapper(pipe, write_through=True)  # what `python -u` makes of stderr
+    print("fathom: a line", file=stream)
+    assert pipe.writes == ["fathom: a line", "\n"]  # the interleaving CI once saw
+    whole_lines(stream)
+    print("fathom: stopped by SIGTERM after step 5", file=stream)
+    print("partial", end="", file=stream)
+    print(" rest", file=stream)
+    assert pipe.writes[2:] == ["fathom: stopped by SIGTERM after step 5\n", "partial rest\n"]
 
 
 @pytest.fixture

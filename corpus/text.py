@@ -10,6 +10,7 @@ import gzip
 import unicodedata
 import zlib
 from collections.abc import Iterator
+from importlib.resources import files
 from pathlib import Path
 from typing import BinaryIO
 
@@ -19,10 +20,17 @@ GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # cut short, not gzip, d
 
 
 def find_file(prefix: str, lang: str) -> Path:
-    for candidate in (Path(f"{prefix}.{lang}"), Path(f"{prefix}.{lang}.gz")):
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz)")
+    """PREFIX.LANG, else PREFIX.LANG.gz; where neither exists and PREFIX is relative, the same in the corpus
+    fathom ships (`multi30k/train`), so that an installed fathom prepares it from any directory."""
+    shipped = Path(str(files("fathom.data")))
+    folders = (Path(), shipped) if not Path(prefix).is_absolute() else (Path(),)
+    for folder in folders:
+        for candidate in (folder / f"{prefix}.{lang}", folder / f"{prefix}.{lang}.gz"):
+            if candidate.is_file():
+                return candidate
+    splits = sorted(str(p.relative_to(shipped)).removesuffix(f".{lang}.gz") for p in shipped.glob(f"*/*.{lang}.gz"))
+    shipped_note = f"; fathom ships {', '.join(splits)}" if splits else ""
+    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz){shipped_note}")
 
 
 def raw_lines(path: Path) -> Iterator[bytes]:

@@ -170,3 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.main(argv)  # what the `deepspeed` command runs
     except KeyboardInterrupt:  # Ctrl-C: the ranks say where they stopped; the runner would add a traceback
         sys.exit(130)
+
+
+if __name__ == "__main__":  # python -m fathom.pipeline.launcher_checks: fathom-launch by this interpreter
+    main()

@@ -14,20 +14,19 @@ import itertools
 import json
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
-from fathom.common.repo import ROOT
 from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
 from fathom.common.sections import parse_section
 from fathom.corpus.dataset import read_meta
 from fathom.model.search import SearchConfig
 from fathom.pipeline.config import deepspeed_values
-from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, load_config, read_json
+from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, config_file, load_config, read_json
 
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended, then again with its evaluation
@@ -133,7 +132,9 @@ class Grid:
 
 @dataclass
 class StudySpec:
-    config: str  # the experiment config every cell starts from (relative to the repository root)
+    # The experiment config every cell starts from: a path relative to the spec's folder or, where none is
+    # there, to the working directory, or a shipped config's name; read_spec resolves it to a file.
+    config: str
     out: str  # the study directory
     schemes: list[str]
     depths: list[int]  # encoder = decoder layers
@@ -188,12 +189,16 @@ class Cell:
 
 
 def read_spec(path: str | Path) -> StudySpec:
-    return parse_section(StudySpec, read_json(path), "study")
+    """The spec at `path` or, where no such file exists, the one fathom ships under that name."""
+    path = config_file(path)
+    spec = parse_section(StudySpec, read_json(path), "study")
+    beside = path.parent / spec.config
+    return replace(spec, config=str(beside if beside.is_file() else config_file(spec.config)))
 
 
 @cache
 def _base_config(config: str, overrides: tuple[str, ...]) -> RunConfig:
-    return load_config(ROOT / config, list(overrides), world_size=None)
+    return load_config(config, list(overrides), world_size=None)
 
 
 def base_config(spec: StudySpec) -> RunConfig:
@@ -276,7 +281,7 @@ def cell_overrides(spec: StudySpec, cell: Cell) -> list[str]:
 
 def cell_config(spec: StudySpec, cell: Cell) -> RunConfig:
     """The cell's run config, checked as train.py checks it."""
-    return load_config(ROOT / spec.config, cell_overrides(spec, cell), world_size=None)
+    return load_config(spec.config, cell_overrides(spec, cell), world_size=None)
 
 
 def read_cell(spec: StudySpec, cell: Cell) -> dict[str, Any] | None:

@@ -43,7 +43,6 @@ from fathom.pipeline.safety.divergence import NONFINITE_EXIT
 from fathom.study.grid import (
     BASELINE_FILE,
     CELL_FILE,
-    ROOT,
     Cell,
     StudySpec,
     accumulation,
@@ -68,10 +67,11 @@ FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~3
 
 
 def command(spec: StudySpec, cell: Cell, cfg: RunConfig, port: int) -> list[str]:
-    """What a user would type for this cell: scripts/launch.py (DeepSpeed's launcher, checked first)."""
+    """What a user would type for this cell, `fathom-launch ... --module fathom.train ...` (DeepSpeed's
+    launcher, checked first), run by this interpreter so that it trains with this fathom, installed or not."""
     return [
-        sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", str(cfg.stages),
-        "--master_port", str(port), str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / spec.config),
+        sys.executable, "-m", "fathom.pipeline.launcher_checks", "--num_gpus", str(cfg.stages),
+        "--master_port", str(port), "--module", "fathom.train", "--config", spec.config,
         "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip
 

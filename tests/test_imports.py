@@ -75,6 +75,12 @@ def test_no_shipped_module_imports_the_tests():
     assert not [str(p) for p in files if any(m.split(".")[0] == "tests" for m in imports(p))]
 
 
+def test_only_tools_find_the_repository():
+    """common.repo is where the clone is; an installed wheel has none, so what users run must not need it."""
+    needing = [name for name, deps in graph().items() if "common.repo" in deps and name.split(".")[0] != "tools"]
+    assert not sorted(needing), "find configs by name (config_file) and launch modules (python -m fathom...)"
+
+
 def test_no_module_imports_itself_back_through_others():
     deps, cycles, state = graph(), [], {}
 

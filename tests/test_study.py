@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,24 @@ SHIPPED_STUDIES = [
 ]
 
 
+def test_a_study_finds_its_config_beside_it_or_shipped_by_name(tmp_path, monkeypatch):
+    """From any directory: a shipped study by name, its base config beside it; a user's study file in its own
+    folder naming a config there; a config not beside the spec is looked for as --config looks for it."""
+    monkeypatch.chdir(tmp_path)
+
+    def config(spec):
+        return Path(read_spec(spec).config).resolve()
+
+    assert config("study_multi30k") == ROOT / "ds_configs" / "study_multi30k_base.json"
+    (tmp_path / "mine").mkdir()
+    shutil.copy(ROOT / "ds_configs" / "default.json", tmp_path / "mine" / "base.json")
+    study = {"config": "base.json", "out": "studies/mine", "schemes": ["pre_ln"], "depths": [2]}
+    (tmp_path / "mine" / "study.json").write_text(json.dumps(study))
+    assert config("mine/study.json") == tmp_path / "mine" / "base.json"
+    (tmp_path / "mine" / "study.json").write_text(json.dumps({**study, "config": "default"}))
+    assert config("mine/study.json") == ROOT / "ds_configs" / "default.json"
+
+
 @pytest.mark.parametrize("path", SHIPPED_STUDIES, ids=lambda p: p.name)
 def test_every_cell_of_a_shipped_study_is_a_valid_run(path, multi30k_slice):
     data = json.loads(path.read_text())
@@ -148,7 +167,7 @@ def test_a_study_without_matplotlib_is_one_line_before_any_cell_trains(tmp_path,
 
 def write_study(tmp_path, data):
     study = {
-        "config": "ds_configs/default.json",
+        "config": "default",  # shipped, found by name
         "out": str(tmp_path / "study"),
         "schemes": ["pre_ln"],
         "depths": [1, 2],

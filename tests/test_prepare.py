@@ -18,7 +18,7 @@ from fathom.corpus.prepare import main as prepare_main
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.train import main as train_main
 from fathom.tools.standin_corpus import write_standin
-from tests.helpers import ROOT, write_slice
+from tests.helpers import ROOT, contents, write_slice
 
 ARGS = ["--src", "de", "--tgt", "en"]
 
@@ -35,10 +35,6 @@ def standin(tmp_path_factory) -> Path:
 def run_prepare(standin: Path, out: Path, *extra: str) -> dict:
     prepare_main([*ARGS, "--train", str(standin / "train"), "--valid", str(standin / "val"), "--out", str(out), *extra])
     return json.loads((out / "meta.json").read_text())
-
-
-def contents(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
 def test_the_output_is_the_same_bytes_for_any_number_of_workers_and_from_python(standin, tmp_path, monkeypatch):

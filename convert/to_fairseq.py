@@ -111,7 +111,9 @@ def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
         # without the version fairseq's upgrade drops the final LayerNorm of a Pre-LN model
         state[f"{side}.version"] = torch.tensor([3.0])
         if not cfg.learned_pos:
-            state[f"{side}.embed_positions._float_tensor"] = torch.FloatTensor(1)
+            # fairseq reads only this placeholder's dtype and device; zeros rather than FloatTensor(1)'s
+            # uninitialized memory, so that an export is the same bytes every time
+            state[f"{side}.embed_positions._float_tensor"] = torch.zeros(1)
 
 
 class PartRunner:

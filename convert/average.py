@@ -17,7 +17,8 @@ sum (float64) and one layer file, never a whole model, let alone K of them.
 The new tag SAVE_DIR/TAG (default avg_lastK for --last; for --tags avg_ and the tags' names without
 `global_step`, oldest first: --tags global_step2000 global_step1800 writes avg_1800_2000) holds the
 averaged layer files, fathom_average.json (what was averaged) and a manifest (common/checkpoint_format.py)
-recording every file and the newest checkpoint's step and schedule step. scripts/generate.py and
+recording every file and the newest checkpoint's step and schedule step. From Python:
+`average_checkpoints(run_dir, last=K)` or `average_checkpoints(run_dir, tags=[...])`. scripts/generate.py and
 scripts/convert_to_fairseq.py read it like any other tag (--tag TAG). Its step is the NEWEST averaged
 checkpoint's, so values computed from the step (BranchNorm's alpha_t) are the ones the newest of the
 averaged weights were trained with; no step matches a mean of weights exactly, and the newest is where
@@ -36,7 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -236,28 +237,40 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
     return summary
 
 
-def run(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """Checks everything, then averages; returns (output tag, summary)."""
-    if (args.last is None) == (args.tags is None):
+class Averaged(NamedTuple):
+    tag: str  # written inside the run directory
+    summary: dict[str, Any]  # fathom_average.json
+
+
+def average_checkpoints(
+    run_dir: str | Path,
+    last: int | None = None,
+    tags: list[str] | None = None,
+    out_tag: str | None = None,
+    force: bool = False,
+) -> Averaged:
+    """Averages the run's `last` K newest committed checkpoints, or those `tags` name (exactly one of
+    the two), into the tag `out_tag` (default as the command's; an earlier average of that name is
+    replaced only with `force`). Checks everything first: fails in one ConfigError line, writing nothing."""
+    if (last is None) == (tags is None):
         raise ConfigError("pass exactly one of --last K (the K newest checkpoints) and --tags TAG TAG ...")
-    if args.last is not None and args.last < 2:
-        raise ConfigError(f"--last {args.last}: averaging needs at least 2 checkpoints; pass --last 2 or more")
-    save_dir = Path(args.checkpoint)
+    if last is not None and last < 2:
+        raise ConfigError(f"--last {last}: averaging needs at least 2 checkpoints; pass --last 2 or more")
+    save_dir = Path(run_dir)
     cfg = model_config(save_dir)
-    chosen = named_checkpoints(save_dir, args.tags) if args.last is None else last_checkpoints(save_dir, args.last)
+    chosen = named_checkpoints(save_dir, tags) if last is None else last_checkpoints(save_dir, last)
     checkpoints = by_step(chosen)
-    out_tag = args.out_tag
     if out_tag is None:
-        out_tag = default_out_tag([path for _, path in checkpoints], args.last)
-    check_out_tag(save_dir, out_tag, chosen, args.force)
+        out_tag = default_out_tag([path for _, path in checkpoints], last)
+    check_out_tag(save_dir, out_tag, chosen, force)
     names = check_layer_files(cfg, chosen)
-    return out_tag, average(save_dir, checkpoints, names, out_tag)
+    return Averaged(out_tag, average(save_dir, checkpoints, names, out_tag))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        out_tag, summary = run(args)
+        out_tag, summary = average_checkpoints(args.checkpoint, args.last, args.tags, args.out_tag, args.force)
     print(
         f"wrote {Path(args.checkpoint) / out_tag}: the mean of {', '.join(summary['averaged'])} "
         f"({summary['layer_files']} layer files) at step {summary['global_steps']}, the newest; "

@@ -9,7 +9,7 @@ checksum in dictionaries.json as a run records its own. Prepare data with them (
 --spm-model MODEL --dict DIR/dict.SRC.txt DIR/dict.TGT.txt) and start a run from the weights with
 `--override train.init_from=DIR` (the run's model section must describe the same model), or translate
 with them directly: `scripts/generate.py --checkpoint DIR --data ...`; data with other dictionaries is
-refused, as for a run.
+refused, as for a run. From Python: `import_fairseq(fairseq_checkpoint, out, data=..., force=...)`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -210,13 +210,23 @@ def model_dictionaries(
     return directory, dictionaries
 
 
-def convert(args: argparse.Namespace) -> tuple[ModelConfig, list[str]]:
-    """Writes the import; returns its model and the dictionaries' languages (source, target)."""
-    source, out = Path(args.fairseq_checkpoint), Path(args.out)
-    check_output_dir(out, args.force, SUMMARY, [source])
+class Imported(NamedTuple):
+    model: ModelConfig
+    languages: list[str]  # of the dictionaries: source, target
+
+
+def import_fairseq(
+    fairseq_checkpoint: str | Path, out: str | Path, data: str | Path | None = None, force: bool = False
+) -> Imported:
+    """Writes the fairseq checkpoint file as the run directory `out` (replacing one this wrote only with
+    `force`), with the dictionaries of `data`, the data directory fairseq-train read (default: the one
+    the checkpoint names). Fails in one ConfigError line before writing anything where the checkpoint,
+    the dictionaries or `out` cannot be used."""
+    source, out = Path(fairseq_checkpoint), Path(out)
+    check_output_dir(out, force, SUMMARY, [source])
     checkpoint = read_checkpoint(source)
     cfg = model_config_from(checkpoint.args, checkpoint.state, source)
-    data, dictionaries = model_dictionaries(checkpoint.task, args.data, cfg, source)
+    directory, dictionaries = model_dictionaries(checkpoint.task, None if data is None else str(data), cfg, source)
     with staged(out) as staging:
         (staging / TAG).mkdir()
         write_layers(cfg, checkpoint.state, staging / TAG, source)
@@ -224,15 +234,15 @@ def convert(args: argparse.Namespace) -> tuple[ModelConfig, list[str]]:
         (staging / CONFIG_FILE).write_text(json.dumps({"model": model_section(cfg)}, indent=2) + "\n")
         for lang, dictionary in dictionaries.items():
             dictionary.save(staging / f"dict.{lang}.txt")  # as prepare_data writes one, which it is compared with
-        record_dictionaries(staging, dictionary_digests(staging, dictionaries), data.resolve())
+        record_dictionaries(staging, dictionary_digests(staging, dictionaries), directory.resolve())
         (staging / SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
-    return cfg, list(dictionaries)
+    return Imported(cfg, list(dictionaries))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        cfg, langs = convert(args)
+        cfg, langs = import_fairseq(args.fairseq_checkpoint, args.out, args.data, args.force)
     dictionaries = " ".join(str(Path(args.out) / f"dict.{lang}.txt") for lang in langs)
     print(
         f"wrote {args.out}: fairseq transformer as {cfg.norm_scheme}, {cfg.encoder_layers}L-{cfg.decoder_layers}L, "

@@ -14,6 +14,7 @@ layer is folded into its fairseq counterpart (model/fold.py) as it goes: a 500L-
 never held twice. A batch of the data's validation pairs runs through the trained layers and the
 folded ones side by side, and the summary reports the largest log-probability difference.
 Everything is written to a temporary directory beside OUT and renamed into place when complete.
+From Python: `export(run_dir, data, out, tag=..., splits=..., force=...)`, which returns the summary.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
         # without the version fairseq's upgrade drops the final LayerNorm of a Pre-LN model
         state[f"{side}.version"] = torch.tensor([3.0])
         if not cfg.learned_pos:
-            state[f"{side}.embed_positions._float_tensor"] = torch.FloatTensor(1)
+            # fairseq reads only this placeholder's dtype and device; zeros rather than FloatTensor(1)'s
+            # uninitialized memory, so that an export is the same bytes every time
+            state[f"{side}.embed_positions._float_tensor"] = torch.zeros(1)
 
 
 class PartRunner:
@@ -298,18 +301,29 @@ class Export:
         return summary
 
 
-def convert(args: argparse.Namespace) -> dict[str, object]:
-    out = Path(args.out)
-    check_output_dir(out, args.force, SUMMARY, [args.checkpoint, args.data])
-    export = Export.open(args.checkpoint, args.tag)
+def export(
+    run_dir: str | Path,
+    data: str | Path,
+    out: str | Path,
+    tag: str | None = None,
+    splits: list[str] | None = None,
+    force: bool = False,
+) -> dict[str, object]:
+    """Writes the run's checkpoint `tag` (default: latest) as the fairseq directory `out` (replacing one
+    this wrote only with `force`), with the prepared `data` the run was trained on and its `splits` as raw
+    text (default: all but train); returns the summary, fathom_export.json. Fails in one ConfigError line
+    before writing anything where the checkpoint, the data or `out` cannot be used."""
+    out = Path(out)
+    check_output_dir(out, force, SUMMARY, [run_dir, data])
+    opened = Export.open(run_dir, tag)
     with staged(out) as staging:
-        return export.write(staging, Path(args.data), out, args.splits)
+        return opened.write(staging, Path(data), out, splits)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
-        summary = convert(args)
+        summary = export(args.checkpoint, args.data, args.out, args.tag, args.splits, args.force)
     print(
         f"wrote {Path(args.out) / CHECKPOINT}: {summary['norm_scheme']} at step {summary['step']} as a fairseq "
         f"transformer ({summary['fairseq_layout']}), {summary['encoder_layers']}L-{summary['decoder_layers']}L, "

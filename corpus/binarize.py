@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from fathom.corpus.filters import Pairs, Setting, apply
+from fathom.corpus.filters import FilterSettings, Pairs, apply
 from fathom.corpus.text import decode_line
 
 CHUNK = 20_000  # pairs a worker encodes at a time
@@ -58,7 +58,7 @@ def id_dtype(size: int) -> np.dtype:
     return np.dtype("uint16") if size < 2**16 else np.dtype("int32")
 
 
-def encode_chunk(chunk: Chunk, settings: dict[str, Setting]) -> Encoded:
+def encode_chunk(chunk: Chunk, settings: FilterSettings) -> Encoded:
     """The chunk's pairs encoded, less those corpus.filters drop with these settings of their options."""
     assert _processors is not None, "load_processors first"
     texts = [

@@ -3,12 +3,13 @@
 A filter owns its command-line option, the meta.json key counting the pairs it dropped, and the words
 the closing summary and the "no pairs left" error use for them. corpus/binarize.py applies the list to
 every chunk; corpus/prepare.py builds its options, their checks, meta.json's "filters" record and
-counts, the summary and the error from it. A new filter is a new entry here, and its test.
+counts, the summary and the error from it. A new filter is a new entry here, its option's field in
+FilterSettings, and its test.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,20 +20,39 @@ Setting = int | float | None  # an option's value; None: the filter is off
 
 
 @dataclass(frozen=True)
+class FilterSettings:
+    """The filters' options, each named as its flag's argparse dest; None turns that filter off."""
+
+    max_len: int | None = 256
+    max_ratio: float | None = None
+
+    def value(self, option: Option) -> Setting:
+        return getattr(self, option.dest)
+
+    def record(self) -> dict[str, Setting]:
+        """As meta.json's "filters" records them."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Option:
-    """A filter's command-line option, checked with common.errors.check_number."""
+    """A filter's command-line option, checked with common.errors.check_number; its default is its
+    FilterSettings field's."""
 
     flag: str
     type: type
-    default: Setting
     help: str
     least: float
     what: str  # check_number's unit or meaning of the bound
 
     @property
     def dest(self) -> str:
-        """argparse's attribute, and the option's key in meta.json's "filters"."""
+        """argparse's attribute, FilterSettings' field, and the option's key in meta.json's "filters"."""
         return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def default(self) -> Setting:
+        return FilterSettings().value(self)
 
 
 @dataclass(frozen=True)
@@ -80,7 +100,7 @@ FILTERS = [
         counter="dropped_too_long",
         label="over --max-len",
         drops=too_long,
-        option=Option("--max-len", int, 256, help="drop training pairs longer (in pieces)", least=1, what=" piece"),
+        option=Option("--max-len", int, help="drop training pairs longer (in pieces)", least=1, what=" piece"),
         kept="kept_too_long",
     ),
     Filter(
@@ -90,7 +110,6 @@ FILTERS = [
         option=Option(
             "--max-ratio",
             float,
-            None,
             help="drop training pairs whose longer side is over R x the other",
             least=1,
             what=" (sides of equal length)",
@@ -103,14 +122,9 @@ def options() -> list[Option]:
     return [f.option for f in FILTERS if f.option is not None]
 
 
-def settings_from(args: argparse.Namespace) -> dict[str, Setting]:
-    """The options' values by dest, as meta.json's "filters" records them."""
-    return {option.dest: getattr(args, option.dest) for option in options()}
-
-
-def active(settings: dict[str, Setting]) -> list[tuple[Filter, Setting]]:
+def active(settings: FilterSettings) -> list[tuple[Filter, Setting]]:
     """The filters that are on, each with its option's value (None for one without an option)."""
-    on = [(f, None if f.option is None else settings[f.option.dest]) for f in FILTERS]
+    on = [(f, None if f.option is None else settings.value(f.option)) for f in FILTERS]
     return [(f, value) for f, value in on if f.option is None or value is not None]
 
 
@@ -119,7 +133,7 @@ def counters() -> list[str]:
     return [*(f.counter for f in FILTERS), *(f.kept for f in FILTERS if f.kept)]
 
 
-def apply(pairs: Pairs, settings: dict[str, Setting], train: bool) -> tuple[np.ndarray, dict[str, int]]:
+def apply(pairs: Pairs, settings: FilterSettings, train: bool) -> tuple[np.ndarray, dict[str, int]]:
     """Which pairs are kept, and the counts: the pairs each filter dropped, and, in a held-out split,
     the kept pairs that a training-only filter with a `kept` count would have dropped."""
     keep = np.ones(pairs.lengths.shape[1], dtype=bool)

@@ -9,6 +9,9 @@ one when there are fewer), or --spm-model gives a model (and --dict its dictiona
 model imported from fairseq); --vocab-from DIR takes a directory's models and dictionaries, so that
 shards of one corpus share them. Everything is written to a temporary directory
 beside DIR and renamed into place only when complete, so a failure never leaves a half-written DIR.
+
+From Python, `prepare(PrepareOptions(src="de", tgt="en", train=..., valid=..., out=..., vocab_size=8000))`
+does what the command does and returns meta.json's record; the options are the flags, with their defaults.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import os
 import shutil
 import sys
 from array import array
+from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +41,7 @@ from fathom.common.run_layout import META_FILE
 from fathom.corpus import filters, subwords
 from fathom.corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap
 from fathom.corpus.dataset import Dictionary, PreparedData, file_record
+from fathom.corpus.filters import FilterSettings
 from fathom.corpus.text import decode_line, find_file, raw_lines
 from fathom.model.model_config import UNK
 
@@ -44,7 +49,59 @@ SPM_SAMPLE = 500_000  # sentences: SentencePiece needs about 2.8 KB a WMT-length
 SPM_SEED = 1
 
 
+@dataclass(frozen=True)
+class PrepareOptions:
+    """What to prepare, as the command's flags say it (--spm-model is spm_model, --dict dictionaries); the
+    raw text of each split is PREFIX.SRC and PREFIX.TGT, plain or .gz."""
+
+    src: str
+    tgt: str
+    train: str | Path  # prefix
+    valid: str | Path  # prefix
+    out: str | Path
+    test: tuple[str | Path, ...] = ()  # prefixes of the splits test, test1, test2, ...
+    vocab_size: int | None = None  # required unless spm_model or vocab_from gives the model
+    separate_vocab: bool = False
+    model_type: str = "unigram"
+    spm_sample: int = SPM_SAMPLE
+    spm_seed: int = SPM_SEED
+    spm_model: tuple[str | Path, ...] = ()  # one (both sides) or two (source, target)
+    dictionaries: tuple[str | Path, ...] = ()  # with spm_model: fairseq dictionaries instead of counted ones
+    vocab_from: str | Path | None = None  # a prepared directory whose models and dictionaries to use
+    filters: FilterSettings = field(default_factory=FilterSettings)
+    workers: int | None = None  # processes that encode; None: one per CPU this process may use
+    force: bool = False  # replace an existing output directory
+
+    def check(self) -> None:
+        """Fails in one ConfigError line, naming the flag, where an option is out of range or they clash."""
+        if self.src == self.tgt:
+            raise ConfigError(f"--src and --tgt are both '{self.src}'; the two sides need different suffixes")
+        if self.vocab_size is None and not (self.spm_model or self.vocab_from):
+            raise ConfigError("--vocab-size: required unless --spm-model or --vocab-from gives the model")
+        check_number("--vocab-size", self.vocab_size, 8)
+        for option in filters.options():
+            check_number(option.flag, self.filters.value(option), option.least, what=option.what)
+        check_number("--workers", self.workers, 1)
+        check_number("--spm-sample", self.spm_sample, 1, what=" sentence")
+        check_number("--spm-seed", self.spm_seed, 0)  # numpy's seeds are non-negative
+        if self.vocab_from and (self.spm_model or self.separate_vocab):
+            raise ConfigError(
+                "--vocab-from gives the models and dictionaries; leave out --spm-model and --separate-vocab"
+            )
+        if len(self.spm_model) > 2:
+            raise ConfigError(
+                f"--spm-model: {len(self.spm_model)} files; give one (both sides) or two (source, target)"
+            )
+        if self.spm_model and self.separate_vocab and len(self.spm_model) != 2:
+            raise ConfigError("--spm-model with --separate-vocab: give two models, the source's and the target's")
+        if self.dictionaries and not self.spm_model:
+            raise ConfigError("--dict: give the SentencePiece model its pieces come from with --spm-model")
+        if len(self.dictionaries) > 2:
+            raise ConfigError(f"--dict: {len(self.dictionaries)} files; give one (both sides) or two (source, target)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with PrepareOptions' defaults."""
     parser = command_parser(__doc__)
     parser.add_argument("--src", required=True, help="source language suffix, e.g. de")
     parser.add_argument("--tgt", required=True, help="target language suffix, e.g. en")
@@ -53,11 +110,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--test", nargs="*", default=[], metavar="PREFIX", help="splits test, test1, test2, ...")
     parser.add_argument("--vocab-size", type=int, help="SentencePiece vocabulary size (a given model has its own)")
     parser.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
-    parser.add_argument("--model-type", default="unigram", choices=["unigram", "bpe"])
+    parser.add_argument("--model-type", default=PrepareOptions.model_type, choices=["unigram", "bpe"])
     parser.add_argument(
-        "--spm-sample", type=int, default=SPM_SAMPLE, metavar="N", help="SentencePiece trains on N sentences"
+        "--spm-sample",
+        type=int,
+        default=PrepareOptions.spm_sample,
+        metavar="N",
+        help="SentencePiece trains on N sentences",
     )
-    parser.add_argument("--spm-seed", type=int, default=SPM_SEED, help="seed of the sample")
+    parser.add_argument("--spm-seed", type=int, default=PrepareOptions.spm_seed, help="seed of the sample")
     parser.add_argument(
         "--spm-model", nargs="+", type=Path, metavar="FILE", help="use this model (two: source, target) instead"
     )
@@ -72,33 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab-from", type=Path, metavar="DIR", help="a prepared directory's models and dictionaries")
     for option in filters.options():
         parser.add_argument(option.flag, type=option.type, default=option.default, help=option.help)
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="processes that encode")
+    parser.add_argument("--workers", type=int, help="processes that encode (default: one per CPU this may use)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     return parser.parse_args(argv)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    if args.src == args.tgt:
-        raise ConfigError(f"--src and --tgt are both '{args.src}'; the two sides need different suffixes")
-    if args.vocab_size is None and not (args.spm_model or args.vocab_from):
-        raise ConfigError("--vocab-size: required unless --spm-model or --vocab-from gives the model")
-    check_number("--vocab-size", args.vocab_size, 8)
-    for option in filters.options():
-        check_number(option.flag, getattr(args, option.dest), option.least, what=option.what)
-    check_number("--workers", args.workers, 1)
-    check_number("--spm-sample", args.spm_sample, 1, what=" sentence")
-    check_number("--spm-seed", args.spm_seed, 0)  # numpy's seeds are non-negative
-    if args.vocab_from and (args.spm_model or args.separate_vocab):
-        raise ConfigError("--vocab-from gives the models and dictionaries; leave out --spm-model and --separate-vocab")
-    if args.spm_model and len(args.spm_model) > 2:
-        raise ConfigError(f"--spm-model: {len(args.spm_model)} files; give one (both sides) or two (source, target)")
-    if args.spm_model and args.separate_vocab and len(args.spm_model) != 2:
-        raise ConfigError("--spm-model with --separate-vocab: give two models, the source's and the target's")
-    if args.dict and not args.spm_model:
-        raise ConfigError("--dict: give the SentencePiece model its pieces come from with --spm-model")
-    if args.dict and len(args.dict) > 2:
-        raise ConfigError(f"--dict: {len(args.dict)} files; give one (both sides) or two (source, target)")
 
 
 @dataclass(frozen=True)
@@ -188,26 +226,28 @@ class Vocabulary:
         return [spm.SentencePieceProcessor(model_file=str(model)) for model in self.models]
 
 
-def given_vocabulary(args: argparse.Namespace) -> Vocabulary | None:
+def given_vocabulary(options: PrepareOptions) -> Vocabulary | None:
     """--vocab-from's or --spm-model's models (checked now, before any reading), or None: train them."""
-    if args.vocab_from:
-        data = PreparedData(args.vocab_from)
-        if (data.src, data.tgt) != (args.src, args.tgt):
+    src, tgt = options.src, options.tgt
+    if options.vocab_from:
+        data = PreparedData(options.vocab_from)
+        if (data.src, data.tgt) != (src, tgt):
             raise ConfigError(
-                f"--vocab-from {args.vocab_from}: prepared for {data.src}->{data.tgt}, not {args.src}->{args.tgt}"
+                f"--vocab-from {options.vocab_from}: prepared for {data.src}->{data.tgt}, not {src}->{tgt}"
             )
-        models = data.sentencepiece_model(args.src), data.sentencepiece_model(args.tgt)
+        models = data.sentencepiece_model(src), data.sentencepiece_model(tgt)
         for model in set(models):
-            subwords.check_model(model, args.vocab_size, "--vocab-from")
+            subwords.check_model(model, options.vocab_size, "--vocab-from")
         return Vocabulary(models, (data.src_dict, data.tgt_dict))
-    if args.spm_model:
-        for model in args.spm_model:
-            subwords.check_model(model, args.vocab_size, "--spm-model")
-        return Vocabulary((args.spm_model[0], args.spm_model[-1]), given_dictionaries(args.dict))
+    if options.spm_model:
+        given = [Path(model) for model in options.spm_model]
+        for model in given:
+            subwords.check_model(model, options.vocab_size, "--spm-model")
+        return Vocabulary((given[0], given[-1]), given_dictionaries([Path(path) for path in options.dictionaries]))
     return None
 
 
-def given_dictionaries(paths: list[Path] | None) -> tuple[Dictionary, Dictionary] | None:
+def given_dictionaries(paths: list[Path]) -> tuple[Dictionary, Dictionary] | None:
     """--dict's dictionaries (source, target; one file serves both), or None: count them from the data."""
     if not paths:
         return None
@@ -218,37 +258,42 @@ def given_dictionaries(paths: list[Path] | None) -> tuple[Dictionary, Dictionary
 
 
 def sentencepiece_models(
-    args: argparse.Namespace, given: Vocabulary | None, train: SplitFiles, scanned: Scan, tmp: Path
+    options: PrepareOptions, given: Vocabulary | None, train: SplitFiles, scanned: Scan, tmp: Path
 ) -> tuple[Vocabulary, dict]:
     """The models, in the output directory, and what meta.json records of how they came about."""
-    langs = args.src, args.tgt
+    langs = options.src, options.tgt
     if given is not None:
         names = ("spm.model",) * 2 if given.joint else tuple(f"spm.{lang}.model" for lang in langs)
         for model, name in zip(given.models, names, strict=True):
             shutil.copyfile(model, tmp / name)
-        source = str(args.vocab_from) if args.vocab_from else [str(m) for m in args.spm_model]
-        dictionaries = {"dictionaries": [str(path) for path in args.dict]} if args.dict else {}
+        source = str(options.vocab_from) if options.vocab_from else [str(m) for m in options.spm_model]
+        dictionaries = {"dictionaries": [str(path) for path in options.dictionaries]} if options.dictionaries else {}
         return Vocabulary((tmp / names[0], tmp / names[1]), given.dictionaries), {"given": source, **dictionaries}
     pairs = scanned.lines - len(scanned.empty)
-    groups = [list(train.files)] if not args.separate_vocab else [[f] for f in train.files]
-    paths = [tmp / "spm.model"] if not args.separate_vocab else [tmp / f"spm.{lang}.model" for lang in langs]
+    groups = [list(train.files)] if not options.separate_vocab else [[f] for f in train.files]
+    paths = [tmp / "spm.model"] if not options.separate_vocab else [tmp / f"spm.{lang}.model" for lang in langs]
     models, samples = [], []
     for files, path in zip(groups, paths, strict=True):
         total = pairs * len(files)
-        chosen = subwords.sample_indices(total, args.spm_sample, args.spm_seed)
+        chosen = subwords.sample_indices(total, options.spm_sample, options.spm_seed)
         used = total if chosen is None else len(chosen)
         print(
-            f"training SentencePiece ({args.model_type}, {args.vocab_size} pieces) on {used:,} of {total:,} "
-            f"sentences{'' if chosen is None else f' (sample seed {args.spm_seed})'}"
+            f"training SentencePiece ({options.model_type}, {options.vocab_size} pieces) on {used:,} of {total:,} "
+            f"sentences{'' if chosen is None else f' (sample seed {options.spm_seed})'}"
         )
         sentences = subwords.sampled_sentences(files, scanned.empty, chosen)
-        models.append(subwords.train(sentences, path, args.vocab_size, args.model_type))
+        models.append(subwords.train(sentences, path, options.vocab_size, options.model_type))
         samples.append({"sentences": used, "of": total})
-    record = {"model_type": args.model_type, "vocab_size": args.vocab_size, "seed": args.spm_seed, "sample": samples}
+    record = {
+        "model_type": options.model_type,
+        "vocab_size": options.vocab_size,
+        "seed": options.spm_seed,
+        "sample": samples,
+    }
     return Vocabulary((models[0], models[-1])), {"trained": record}
 
 
-def chunks(split: SplitFiles) -> itertools.Iterator[Chunk]:
+def chunks(split: SplitFiles) -> Iterator[Chunk]:
     """The split's pairs, CHUNK at a time (the scan checked that the sides align)."""
     sides = [raw_lines(path) for path in split.files]
     names = (str(split.files[0]), str(split.files[1]))
@@ -271,7 +316,7 @@ class Binarized:
 
 
 def binarize(
-    split: SplitFiles, scanned: Scan, workers: Workers, settings: dict[str, filters.Setting], langs: tuple, tmp: Path
+    split: SplitFiles, scanned: Scan, workers: Workers, settings: FilterSettings, langs: tuple, tmp: Path
 ) -> Binarized:
     pairs, ends, longest = 0, [0, 0], 0  # ends: tokens written so far per side, where the next sentence starts
     counts = dict.fromkeys(filters.counters(), 0)
@@ -347,26 +392,30 @@ def write_split(
         write_index(tmp / f"{name}.{lang}.ends", binarized.pairs, tmp / f"{name}.{lang}.idx.npy")
 
 
-def prepare(args: argparse.Namespace) -> dict:
-    out = Path(args.out)
-    check_args(args)
-    langs = args.src, args.tgt
-    prefixes = {"train": args.train, "valid": args.valid}
-    prefixes.update({("test" if i == 0 else f"test{i}"): p for i, p in enumerate(args.test)})
-    splits = [SplitFiles(name, p, (find_file(p, args.src), find_file(p, args.tgt))) for name, p in prefixes.items()]
+def prepare(options: PrepareOptions) -> dict:
+    """Prepares the data directory options.out as the command does; returns what meta.json records.
+    Fails in one ConfigError line (naming the flag) before writing anything where the options or the
+    data cannot be used, and leaves nothing behind when a later step fails."""
+    out = Path(options.out)
+    options.check()
+    langs = options.src, options.tgt
+    prefixes = {"train": str(options.train), "valid": str(options.valid)}
+    prefixes.update({("test" if i == 0 else f"test{i}"): str(p) for i, p in enumerate(options.test)})
+    splits = [SplitFiles(name, p, (find_file(p, langs[0]), find_file(p, langs[1]))) for name, p in prefixes.items()]
     # the files themselves too: a prefix's file may be a link into --out
-    check_output_dir(out, args.force, META_FILE, [*prefixes.values(), *(f for s in splits for f in s.files)])
-    given = given_vocabulary(args)
+    check_output_dir(out, options.force, META_FILE, [*prefixes.values(), *(f for s in splits for f in s.files)])
+    given = given_vocabulary(options)
     scans = {split.name: scan(split, None, set()) for split in splits[1:]}
     held_out = {pair for scanned in scans.values() for pair in scanned.pairs}
     seen: set[tuple[str, str]] = set()
     scans = {"train": scan(splits[0], held_out, seen), **scans}
     check_held_out(splits, scans, seen)
-    settings = filters.settings_from(args)
+    settings = options.filters
+    processes = options.workers or len(os.sched_getaffinity(0))
 
     with staged(out) as tmp:
-        vocab, spm_record = sentencepiece_models(args, given, splits[0], scans["train"], tmp)
-        with Workers(args.workers, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
+        vocab, spm_record = sentencepiece_models(options, given, splits[0], scans["train"], tmp)
+        with Workers(processes, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
             binarized = {s.name: binarize(s, scans[s.name], workers, settings, langs, tmp) for s in splits}
         if not binarized["train"].pairs:
             raise ConfigError(nothing_left(binarized["train"].counts, settings))
@@ -379,13 +428,13 @@ def prepare(args: argparse.Namespace) -> dict:
             write_split(name, split, vocab, langs, dtype, tmp)
 
         meta = {
-            "src": args.src,
-            "tgt": args.tgt,
+            "src": options.src,
+            "tgt": options.tgt,
             "joint_vocab": vocab.joint,
             "dtype": dtype,
             "vocab": {lang: len(d) for lang, d in zip(langs, vocab.dictionaries, strict=True)},
             "sentencepiece": spm_record,
-            "filters": settings,
+            "filters": settings.record(),
             "splits": {
                 s.name: {
                     "pairs": binarized[s.name].pairs,
@@ -401,7 +450,7 @@ def prepare(args: argparse.Namespace) -> dict:
     return meta
 
 
-def nothing_left(counts: dict[str, int], settings: dict[str, filters.Setting]) -> str:
+def nothing_left(counts: dict[str, int], settings: FilterSettings) -> str:
     """The error when the filters drop every training pair: the options that dropped some, and what to
     do to each (the scan has refused a split with no pair that has text on both sides)."""
     culprits = [(f, value) for f, value in filters.active(settings) if f.option and counts[f.counter]]
@@ -438,10 +487,29 @@ def long_held_out_warning(name: str, split: dict, max_len: int) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    options = PrepareOptions(
+        src=args.src,
+        tgt=args.tgt,
+        train=args.train,
+        valid=args.valid,
+        out=args.out,
+        test=tuple(args.test),
+        vocab_size=args.vocab_size,
+        separate_vocab=args.separate_vocab,
+        model_type=args.model_type,
+        spm_sample=args.spm_sample,
+        spm_seed=args.spm_seed,
+        spm_model=tuple(args.spm_model or ()),
+        dictionaries=tuple(args.dict or ()),
+        vocab_from=args.vocab_from,
+        filters=FilterSettings(**{option.dest: getattr(args, option.dest) for option in filters.options()}),
+        workers=args.workers,
+        force=args.force,
+    )
     with exit_on_config_error():
-        meta = prepare(args)
+        meta = prepare(options)
     for name, split in meta["splits"].items():
         print(split_summary(name, split))
-        if warning := long_held_out_warning(name, split, args.max_len):
+        if warning := long_held_out_warning(name, split, options.filters.max_len):
             print(warning, file=sys.stderr)
     print(f"dictionaries: {meta['vocab']} entries; written to {args.out}")

@@ -137,6 +137,11 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}
 
 
+def contents(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` by its path there, with its bytes: what two ways of writing it must agree on."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def without_matplotlib(tmp_path: Path) -> dict[str, str]:
     """An environment whose Python finds no matplotlib (an optional extra), as after a plain install."""
     shim = tmp_path / "no-matplotlib" / "matplotlib"

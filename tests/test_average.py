@@ -12,12 +12,12 @@ import torch
 
 from fathom.common.checkpoint_format import MANIFEST, global_step, layer_file, load_file, read_manifest
 from fathom.common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
-from fathom.convert.average import main
+from fathom.convert.average import average_checkpoints, main
 from fathom.model import Transformer
 from fathom.model.norms import BranchScaled, parse_model
 from fathom.model.parts import saved_names
 from fathom.model.trained import load_reference
-from tests.helpers import snapshot
+from tests.helpers import contents, snapshot
 
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "embed_dim": 16, "ffn_dim": 32, "attention_heads": 2,
          "src_vocab_size": 12, "tgt_vocab_size": 12, "norm_scheme": "branchnorm", "branchnorm": {"T": 100}}  # fmt: skip
@@ -138,6 +138,15 @@ def test_tags_name_the_output_after_their_steps_and_force_replaces_it(run, capsy
     main(["--checkpoint", str(run), "--tags", "global_step9", "global_step10", "--out-tag", "avg_8_10", "--force"])
     assert_same_layers(layers(run / "avg_8_10"), mean_of(run, (9, 10)))
     assert not [p for p in run.iterdir() if p.name.startswith(".") and p.name != LOCK_FILE]  # no staging left
+
+
+def test_the_python_api_averages_as_the_command_does(tmp_path, capsys):
+    """average_checkpoints(run_dir, tags=...) writes the tag the command writes, file for file."""
+    by_command, by_api = make_run(tmp_path / "command"), make_run(tmp_path / "api")
+    main(["--checkpoint", str(by_command), "--tags", "global_step10", "global_step8"])
+    tag, summary = average_checkpoints(by_api, tags=["global_step10", "global_step8"])
+    assert tag == "avg_8_10" and summary == json.loads((by_api / tag / "fathom_average.json").read_text())
+    assert contents(by_api / tag) == contents(by_command / tag)
 
 
 @pytest.mark.slow

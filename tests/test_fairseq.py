@@ -29,7 +29,7 @@ from fathom.pipeline.preflight import check_run
 from fathom.pipeline.train import parse_args as parse_train_args
 from fathom.tools.translation_speed import search_flags
 from fathom.translation.generate import main as generate_main
-from tests.helpers import ROOT, edit_prepared, launch, write_slice
+from tests.helpers import ROOT, contents, edit_prepared, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -293,6 +293,21 @@ def test_exports_import_back(exported, runs, multi30k_slice, tmp_path):
         folded = fold_model(original)
         assert imported.cfg == folded.cfg, case
         assert max_difference(our_log_probs(back, src, prev), our_log_probs(runs / case, src, prev), prev) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_python_api_exports_and_imports_as_the_commands_do(runs, multi30k_slice, tmp_path):
+    """to_fairseq.export and from_fairseq.import_fairseq write, file for file, what the commands write
+    to the same place (an export records its own path), and return their summary and model."""
+    out, back = tmp_path / "export", tmp_path / "import"
+    summary = to_fairseq.export(runs / "post_ln", multi30k_slice, out, splits=["test"])
+    by_api = contents(out)
+    convert_to(runs / "post_ln", multi30k_slice, out, "--splits", "test", "--force")
+    assert contents(out) == by_api and summary == json.loads((out / to_fairseq.SUMMARY).read_text())
+    model, languages = from_fairseq.import_fairseq(out / "checkpoint.pt", back)
+    by_api = contents(back)
+    from_fairseq.main(["--fairseq-checkpoint", str(out / "checkpoint.pt"), "--out", str(back), "--force"])
+    assert contents(back) == by_api and languages == ["de", "en"] and model == load_reference(back).cfg
 
 
 @pytest.mark.slow

@@ -2,7 +2,13 @@
 included, so that none can hide a dependency): each package imports only the layers below it, and no
 module imports itself back through others."""
 
+import argparse
 import ast
+import configparser
+import importlib
+import inspect
+import pkgutil
+import typing
 from pathlib import Path
 
 from tests.helpers import ROOT
@@ -97,3 +103,76 @@ def test_no_module_imports_itself_back_through_others():
         if name not in state:
             visit(name, [name])
     assert not cycles
+
+
+# Functions that read a command line, which the commands share, so they live in a library module.
+COMMAND_LAYER = {
+    "fathom.translation.translate.search_config": "translate's and generate's search flags into a SearchConfig",
+    "fathom.translation.translate.command_line_translator": "their model flags into Translator.from_checkpoint",
+    "fathom.pipeline.preflight.check_run": "train's flags (--config, --override), checked by train and by launch",
+    "fathom.pipeline.launcher_checks.launched_processes": "the deepspeed runner's own flags, for launch",
+    "fathom.pipeline.checkpoint.consolidated.check_supported": "zero_to_fp32's flags fathom refuses",
+    # not a command line: fairseq's run arguments, stored in the checkpoint as fairseq-train stores them
+    "fathom.convert.to_fairseq.fairseq_checkpoint": "fairseq's args, data written for fairseq",
+}
+COMMANDS = "fathom.tools."  # benchmarks and comparisons, commands whole: only scripts/ import them (ALLOWED)
+
+
+def installed_modules() -> list[str]:
+    """Every module of the packages setup.cfg installs."""
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    packages = config["options"]["packages"].split()
+    return [
+        module.name
+        for package in packages
+        for module in pkgutil.iter_modules(importlib.import_module(package).__path__, f"{package}.")
+        if not module.ispkg
+    ]
+
+
+def public_functions(module) -> dict[str, typing.Callable]:
+    """The module's own public functions and its public classes' methods, by qualified name."""
+    found = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(value):
+            found[f"{module.__name__}.{name}"] = value
+        elif inspect.isclass(value):
+            for method_name, method in vars(value).items():
+                method = getattr(method, "__func__", method)  # classmethods and staticmethods
+                if inspect.isfunction(method) and (method_name == "__init__" or not method_name.startswith("_")):
+                    found[f"{module.__name__}.{name}.{method_name}"] = method
+    return found
+
+
+def takes_a_command_line(function: typing.Callable) -> bool:
+    """Whether a parameter is annotated argparse.Namespace (or Namespace | None), string annotations
+    resolved in the function's module; one naming what only a type checker imports stays a string."""
+    for parameter in inspect.signature(function).parameters.values():
+        hint = parameter.annotation
+        if isinstance(hint, str):
+            try:
+                hint = eval(hint, function.__globals__)
+            except NameError:
+                pass
+        if hint in (argparse.Namespace, argparse.Namespace | None) or (isinstance(hint, str) and "Namespace" in hint):
+            return True
+    return False
+
+
+def test_no_library_function_takes_a_command_line():
+    """Commands parse their flags and call typed functions, so Python callers (notebooks, the study, the
+    benchmarks) need no argv or Namespace; only `main` and the command layer above read one, and each
+    entry there still does (a renamed one would otherwise leave a hole)."""
+    taking = {
+        name
+        for module in installed_modules()
+        if not module.startswith(COMMANDS)
+        for name, function in public_functions(importlib.import_module(module)).items()
+        if takes_a_command_line(function)
+    }
+    offenders = sorted(name for name in taking - COMMAND_LAYER.keys() if name.rsplit(".", 1)[-1] != "main")
+    assert not offenders, "take typed arguments; parse the flags in main: " + ", ".join(offenders)
+    assert not sorted(COMMAND_LAYER.keys() - taking), "no longer reads a command line: drop it from COMMAND_LAYER"

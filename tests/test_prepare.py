@@ -1,6 +1,7 @@
 """prepare_data at scale: streamed in chunks over worker processes, SentencePiece on a seeded sample or
 given, WMT-style filtering, and shards that training reads as one corpus."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,12 +13,12 @@ import pytest
 from fathom.common.errors import ConfigError
 from fathom.corpus import prepare
 from fathom.corpus.dataset import BinarizedCorpus, ShardedCorpus
-from fathom.corpus.filters import Pairs, apply
+from fathom.corpus.filters import FilterSettings, Pairs, apply
 from fathom.corpus.prepare import main as prepare_main
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.train import main as train_main
 from fathom.tools.standin_corpus import write_standin
-from tests.helpers import ROOT, write_slice
+from tests.helpers import ROOT, contents, write_slice
 
 ARGS = ["--src", "de", "--tgt", "en"]
 
@@ -36,15 +37,16 @@ def run_prepare(standin: Path, out: Path, *extra: str) -> dict:
     return json.loads((out / "meta.json").read_text())
 
 
-def contents(folder: Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
-
-
-def test_the_output_is_the_same_bytes_for_any_number_of_workers(standin, tmp_path, monkeypatch):
+def test_the_output_is_the_same_bytes_for_any_number_of_workers_and_from_python(standin, tmp_path, monkeypatch):
+    """One worker through the command, two through the Python API (prepare.PrepareOptions): the same files."""
     monkeypatch.setattr(prepare, "CHUNK", 700)  # nine chunks, so two workers really share them
-    for workers in ("1", "2"):
-        run_prepare(standin, tmp_path / workers, "--vocab-size", "500", "--spm-sample", "4000", "--workers", workers)
+    run_prepare(standin, tmp_path / "1", "--vocab-size", "500", "--spm-sample", "4000", "--workers", "1")
+    options = prepare.PrepareOptions(
+        src="de", tgt="en", train=standin / "train", valid=standin / "val", out=tmp_path / "2", vocab_size=500
+    )
+    meta = prepare.prepare(dataclasses.replace(options, spm_sample=4000, workers=2))
     assert contents(tmp_path / "1") == contents(tmp_path / "2")
+    assert meta == json.loads((tmp_path / "2" / "meta.json").read_text())
 
 
 def test_sentencepiece_trains_on_a_seeded_sample_recorded_in_meta(standin, tmp_path):
@@ -108,13 +110,13 @@ def test_a_pair_is_counted_by_the_first_filter_that_drops_it():
     kept pairs over --max-len; --max-ratio left out drops nothing."""
     texts = (["a", " ", "b c", "d", "e"], ["x", "y", "", "w", "v"])
     pairs = Pairs(texts, np.array([[3, 1, 2, 9, 2], [3, 1, 0, 9, 6]]))  # pieces per side
-    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": 2.0}, train=True)
+    keep, counts = apply(pairs, FilterSettings(max_len=8, max_ratio=2.0), train=True)
     assert keep.tolist() == [True, False, False, False, False]
     assert counts == {"dropped_empty": 2, "dropped_too_long": 1, "dropped_ratio": 1, "kept_too_long": 0}
-    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": 2.0}, train=False)
+    keep, counts = apply(pairs, FilterSettings(max_len=8, max_ratio=2.0), train=False)
     assert keep.tolist() == [True, False, False, True, True]
     assert counts == {"dropped_empty": 2, "dropped_too_long": 0, "dropped_ratio": 0, "kept_too_long": 1}
-    keep, counts = apply(pairs, {"max_len": 8, "max_ratio": None}, train=True)
+    keep, counts = apply(pairs, FilterSettings(max_len=8), train=True)
     assert keep.tolist() == [True, False, False, False, True] and counts["dropped_ratio"] == 0
 
 

@@ -40,7 +40,7 @@ from fathom.common.errors import ConfigError, check_counts, check_number, exit_o
 from fathom.common.heap import decoding_env, keep_freed_blocks
 from fathom.common.outputs import check_writable_file
 from fathom.common.tables import markdown_row, markdown_rule, markdown_table
-from fathom.convert.to_fairseq import main as export_main
+from fathom.convert.to_fairseq import export
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.full_recompute_search import full_recompute_search
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
@@ -104,9 +104,7 @@ class Fairseq:
                 f"--fairseq-env {args.fairseq_env}: no fairseq-generate; run bash scripts/setup_fairseq_env.sh"
             )
         self.export = workdir / "fairseq"
-        tag = ["--tag", args.tag] if args.tag else []
-        export_main(["--checkpoint", args.checkpoint, *tag, "--data", args.data, "--out", str(self.export)]
-                    + ["--splits", args.subset])  # fmt: skip
+        export(args.checkpoint, args.data, self.export, args.tag, splits=[args.subset])
         self.sentences = sentences
         for split_file in self.export.glob(f"{args.subset}.*-*.*"):  # fairseq raw text: keep the first sentences
             lines = split_file.read_text(encoding="utf-8").split("\n")[:sentences]

@@ -4,8 +4,10 @@ environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -133,17 +135,49 @@ def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_s
     assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
 
 
-def fairseq_generate(fairseq_bin: Path, export: Path, subset: str, search: SearchConfig) -> list[tuple[str, str]]:
-    """(source pieces, hypothesis pieces) of every sentence of the split, in its order, from fairseq-generate."""
+# One torch thread for every search and fairseq process here: on a busy 2-core machine (CI's two workers)
+# two threads wait on each other far longer than they compute (a fairseq-generate of 50 sentences: 122 s
+# against 1.1 s; our generate.py: 22 CPU-s against 5).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def fairseq_generate(
+    fairseq_bin: Path, jobs: list[tuple[Path, str]], search: SearchConfig, out: Path
+) -> list[list[tuple[str, str]]]:
+    """For each (export, split): (source pieces, hypothesis pieces) of every sentence of the split, in its
+    order, from fairseq-generate's own code (cli_main) run on each in turn in one fairseq process."""
+    commands = [
+        [str(export), "--path", str(export / "checkpoint.pt"), "--dataset-impl", "raw", "--gen-subset", subset]
+        + ["--cpu", *search_flags(search), "--results-path", str(out / str(i))]
+        for i, (export, subset) in enumerate(jobs)
+    ]
+    out.mkdir()
+    (out / "jobs.json").write_text(json.dumps(commands), encoding="utf-8")
     result = subprocess.run(
-        [str(fairseq_bin / "fairseq-generate"), str(export), "--path", str(export / "checkpoint.pt")]
-        + ["--dataset-impl", "raw", "--gen-subset", subset, "--cpu", *search_flags(search)],
+        [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_generate.py"), str(out / "jobs.json")],
         capture_output=True,
         text=True,
+        timeout=600,
+        env=ONE_THREAD,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return [read_generated((out / str(i) / f"generate-{subset}.txt").read_text(encoding="utf-8"))
+            for i, (_, subset) in enumerate(jobs)]  # fmt: skip
+
+
+def read_generated(output: str) -> list[tuple[str, str]]:
     sources, hypotheses = {}, {}
-    for line in result.stdout.split("\n"):  # a hypothesis may hold U+2028
+    for line in output.split("\n"):  # a hypothesis may hold U+2028
         if line.startswith(("S-", "H-")):
             index, *_, pieces = line.split("\t")
             (sources if line[0] == "S" else hypotheses)[int(index[2:])] = pieces
@@ -158,26 +192,30 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
     1.2 x the longest source of the batch + 10, cuts hypotheses of these barely trained models, so which
     sentences share a batch decides them: 10 sentences a batch, which fairseq makes batches of 8
     (--required-batch-size-multiple 8), in its order (source length, then target length; a split not
-    named test shuffled first with its --seed 1)."""
+    named test shuffled first with its --seed 1). fairseq-generate's code runs in one fairseq process for
+    all of them (tests/workers/fairseq_generate.py)."""
     detok = spm.SentencePieceProcessor(model_file=str(multi30k_slice / "spm.model"))
     search = SearchConfig(batch_size=10)
-    distinct, over_own_limit = set(), 0
-    for case in EXPORTED:
-        for subset in ["test", "valid"] if case == EXPORTED[0] else ["test"]:
+    jobs = [(case, subset) for case in EXPORTED for subset in (["test", "valid"] if case == EXPORTED[0] else ["test"])]
+    ours = {}
+    with one_thread():
+        for case, subset in jobs:
             ours_file = tmp_path / f"{case}.{subset}.txt"
             generate_main(
                 ["--checkpoint", str(runs / case), "--data", str(multi30k_slice), "--subset", subset]
                 + ["--batch-size", str(search.batch_size), "--output", str(ours_file)]
             )
-            theirs = fairseq_generate(fairseq_bin, exported[case], subset, search)
-            ours = ours_file.read_text(encoding="utf-8").splitlines()
-            assert len(theirs) == len(ours) == {"test": 50, "valid": 60}[subset], case
-            assert sum(map(bool, ours)) > 40, case
-            assert [detok.decode_pieces(hypothesis.split()) for _, hypothesis in theirs] == ours, (case, subset)
-            distinct.update(ours)
-            # longer than its own source allows: the batch's longest source set its limit
-            own_limit = [int(search.max_len_a * (len(src.split()) + 1) + search.max_len_b) for src, _ in theirs]
-            over_own_limit += sum(len(hyp.split()) > limit for (_, hyp), limit in zip(theirs, own_limit, strict=True))
+            ours[case, subset] = ours_file.read_text(encoding="utf-8").splitlines()
+    generated = fairseq_generate(fairseq_bin, [(exported[c], s) for c, s in jobs], search, tmp_path / "fairseq")
+    distinct, over_own_limit = set(), 0
+    for (case, subset), theirs in zip(jobs, generated, strict=True):
+        assert len(theirs) == len(ours[case, subset]) == {"test": 50, "valid": 60}[subset], case
+        assert sum(map(bool, ours[case, subset])) > 40, case
+        assert [detok.decode_pieces(hyp.split()) for _, hyp in theirs] == ours[case, subset], (case, subset)
+        distinct.update(ours[case, subset])
+        # longer than its own source allows: the batch's longest source set its limit
+        own_limit = [int(search.max_len_a * (len(src.split()) + 1) + search.max_len_b) for src, _ in theirs]
+        over_own_limit += sum(len(hyp.split()) > limit for (_, hyp), limit in zip(theirs, own_limit, strict=True))
     assert len(distinct) > 30  # real (if poor) sentences, not one line the models all repeat
     assert over_own_limit > 0
 
@@ -200,6 +238,7 @@ def test_fairseqs_criterion_gives_our_validation_loss(exported, runs, fairseq_bi
         capture_output=True,
         text=True,
         timeout=600,
+        env=ONE_THREAD,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for case in EXPORTED:
@@ -222,7 +261,7 @@ def run_fairseq(fairseq_bin: Path, command: str, *args: str, stdin: Path | None 
     """A fairseq command's stdout; it must succeed."""
     with open(stdin or "/dev/null", encoding="utf-8") as source:
         result = subprocess.run([str(fairseq_bin / command), *args], stdin=source, capture_output=True, text=True,
-                                timeout=600)  # fmt: skip
+                                timeout=600, env=ONE_THREAD)  # fmt: skip
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -240,7 +279,7 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     ours = subprocess.run(
         ["python", str(ROOT / "scripts" / "translate.py"), "--checkpoint", str(runs / "post_ln"), "--data",
          str(multi30k_slice), "--input", str(source), *search],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True, text=True, cwd=ROOT, env=ONE_THREAD,
     )  # fmt: skip
     assert ours.returncode == 0, ours.stderr[-3000:]
     translations = ours.stdout.splitlines()
@@ -257,7 +296,7 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     hub = tmp_path / "hub.json"
     result = subprocess.run(
         [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_hub.py"), str(export), str(source),
-         str(hub)], capture_output=True, text=True, timeout=600,
+         str(hub)], capture_output=True, text=True, timeout=600, env=ONE_THREAD,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     loaded = json.loads(hub.read_text())

@@ -295,22 +295,34 @@ def train(save_dir, *overrides, resume=False):
 
 def test_admin_profiles_with_dropout_through_the_stages_when_asked(tmp_path):
     """model.admin.profile_dropout=true: the 2-stage profiling pass (DeepSpeed's eval_batch, which sets
-    eval mode) runs with dropout, as the authors' code does, and every omega after a stack's first grows."""
-    admin = ["model.norm_scheme=admin", "model.encoder_layers=3", "model.decoder_layers=3", "model.dropout=0.3",
-             "train.max_steps=1"]  # fmt: skip
-    omegas = {}
-    for dropout in ("false", "true"):
-        assert train(tmp_path / dropout, *admin, f"model.admin.profile_dropout={dropout}").returncode == 0
-        omegas[dropout] = json.loads((tmp_path / dropout / PROFILE_FILE).read_text())["omegas"]
+    eval mode) runs with dropout, as the authors' code does, and every omega after a stack's first grows
+    (both runs in one launch)."""
+    admin = "model.norm_scheme=admin,model.encoder_layers=3,model.decoder_layers=3,model.dropout=0.3,train.max_steps=1"
+    cases = [f"{dropout}={admin},model.admin.profile_dropout={dropout}" for dropout in ("false", "true")]
+    result = launch(
+        ROOT / "tests" / "workers" / "train_cases.py", str(ROOT / "ds_configs" / "default.json"), str(tmp_path), *cases
+    )
+    assert result.returncode == 0, "the training worker failed (its output is above)"
+    omegas = {
+        dropout: json.loads((tmp_path / dropout / PROFILE_FILE).read_text())["omegas"] for dropout in ("false", "true")
+    }
     grown = [omegas["true"][name] / omega for name, omega in omegas["false"].items() if omega != 1.0]
     assert len(grown) == 2 * 3 - 1 + 3 * 3 - 1 and min(grown) > 1.0
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
-    """Default config (BranchNorm, dropout, 2 stages, ZeRO-1, checkpointing), shortened: T = 8 so alpha
-    still moves when the run is cut at step 6. The uninterrupted run also has DeepSpeed's sections that
-    report (pipeline/config/deepspeed_sections.py) on, and each shows its output in fathom's engine."""
-    common = ["model.branchnorm.T=8", "train.save_interval=3", "train.log_interval=1", "data.synthetic.sentences=500"]
+    """Default config (BranchNorm, dropout, 2 stages, ZeRO-1, checkpointing), shortened: 2+2 layers (a
+    resume needs no depth), T = 8 so alpha still moves when the run is cut at step 6. The uninterrupted
+    run also has DeepSpeed's sections that report (pipeline/config/deepspeed_sections.py) on, and each
+    shows its output in fathom's engine."""
+    common = [
+        "model.encoder_layers=2",
+        "model.decoder_layers=2",
+        "model.branchnorm.T=8",
+        "train.save_interval=3",
+        "train.log_interval=1",
+        "data.synthetic.sentences=500",
+    ]
     full, cut = tmp_path / "full", tmp_path / "cut"
     monitor = json.dumps({"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "full"})
     # memory_breakdown is test_engine_settings.py's: it collects garbage at every line, 3x this run's time
@@ -386,16 +398,18 @@ def test_every_scheme_resumes_exactly(tmp_path):
 
 
 def test_bf16_pipeline_trains(tmp_path):
-    """bf16 with 2 stages and ZeRO-1 on this CPU: finite, falling loss; the stages are cut where the
-    cost model says; DeepSpeed's shared-memory all-reduce segments do not outlive the run."""
-    result = train(tmp_path, 'bf16={"enabled": true}', "train.max_steps=30", "train.log_interval=10")
+    """bf16 with 2 stages and ZeRO-1 on this CPU (3+3 layers, 20 steps: bf16 is emulated here): finite,
+    falling loss; the stages are cut where the cost model says; DeepSpeed's shared-memory all-reduce
+    segments do not outlive the run."""
+    model = ["model.encoder_layers=3", "model.decoder_layers=3"]
+    result = train(tmp_path, 'bf16={"enabled": true}', *model, "train.max_steps=20", "train.log_interval=10")
     assert result.returncode == 0
-    cfg, _ = resolve_run(ROOT / "ds_configs" / "default.json", [], world_size=2)
+    cfg, _ = resolve_run(ROOT / "ds_configs" / "default.json", model, world_size=2)
     bounds = stage_bounds(cfg.model, 2)
     assert f"stage 0: layers 0-{bounds[1] - 1} " in result.stdout
     assert f"stage 1: layers {bounds[1]}-{bounds[2] - 1} " in result.stdout
     losses = [r["loss"] for r in metrics(tmp_path)]
-    assert len(losses) == 30 and all(map(math.isfinite, losses))
+    assert len(losses) == 20 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])
     port = result.args[result.args.index("--master_port") + 1]
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))

@@ -5,10 +5,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import ROOT, prepare_slice
 
 REAL_POPEN_INIT = subprocess.Popen.__init__
+
+# One torch thread in every process of the suite, its jobs and scripts included: the two workers of
+# `pytest -n 2` share a 2-core machine, where a process's second OpenMP thread spin-waits against the
+# other worker's (the fast tier: 62 s instead of 70; a fairseq-generate of 50 sentences 1.1 s instead of
+# 122). A launched rank would get one anyway (cpu_threads splits the cores among a job's ranks).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True)

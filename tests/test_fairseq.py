@@ -4,10 +4,8 @@ environment (scripts/setup_fairseq_env.sh builds it once and caches it)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -135,22 +133,6 @@ def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_s
     assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
 
 
-# One torch thread for every search and fairseq process here: on a busy 2-core machine (CI's two workers)
-# two threads wait on each other far longer than they compute (a fairseq-generate of 50 sentences: 122 s
-# against 1.1 s; our generate.py: 22 CPU-s against 5).
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@contextlib.contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def fairseq_generate(
     fairseq_bin: Path, jobs: list[tuple[Path, str]], search: SearchConfig, out: Path
 ) -> list[list[tuple[str, str]]]:
@@ -168,7 +150,6 @@ def fairseq_generate(
         capture_output=True,
         text=True,
         timeout=600,
-        env=ONE_THREAD,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [read_generated((out / str(i) / f"generate-{subset}.txt").read_text(encoding="utf-8"))
@@ -198,14 +179,13 @@ def test_fairseq_generate_gives_our_hypotheses(exported, runs, multi30k_slice, f
     search = SearchConfig(batch_size=10)
     jobs = [(case, subset) for case in EXPORTED for subset in (["test", "valid"] if case == EXPORTED[0] else ["test"])]
     ours = {}
-    with one_thread():
-        for case, subset in jobs:
-            ours_file = tmp_path / f"{case}.{subset}.txt"
-            generate_main(
-                ["--checkpoint", str(runs / case), "--data", str(multi30k_slice), "--subset", subset]
-                + ["--batch-size", str(search.batch_size), "--output", str(ours_file)]
-            )
-            ours[case, subset] = ours_file.read_text(encoding="utf-8").splitlines()
+    for case, subset in jobs:
+        ours_file = tmp_path / f"{case}.{subset}.txt"
+        generate_main(
+            ["--checkpoint", str(runs / case), "--data", str(multi30k_slice), "--subset", subset]
+            + ["--batch-size", str(search.batch_size), "--output", str(ours_file)]
+        )
+        ours[case, subset] = ours_file.read_text(encoding="utf-8").splitlines()
     generated = fairseq_generate(fairseq_bin, [(exported[c], s) for c, s in jobs], search, tmp_path / "fairseq")
     distinct, over_own_limit = set(), 0
     for (case, subset), theirs in zip(jobs, generated, strict=True):
@@ -238,7 +218,6 @@ def test_fairseqs_criterion_gives_our_validation_loss(exported, runs, fairseq_bi
         capture_output=True,
         text=True,
         timeout=600,
-        env=ONE_THREAD,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for case in EXPORTED:
@@ -261,7 +240,7 @@ def run_fairseq(fairseq_bin: Path, command: str, *args: str, stdin: Path | None 
     """A fairseq command's stdout; it must succeed."""
     with open(stdin or "/dev/null", encoding="utf-8") as source:
         result = subprocess.run([str(fairseq_bin / command), *args], stdin=source, capture_output=True, text=True,
-                                timeout=600, env=ONE_THREAD)  # fmt: skip
+                                timeout=600)  # fmt: skip
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result.stdout
 
@@ -279,7 +258,7 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     ours = subprocess.run(
         ["python", str(ROOT / "scripts" / "translate.py"), "--checkpoint", str(runs / "post_ln"), "--data",
          str(multi30k_slice), "--input", str(source), *search],
-        capture_output=True, text=True, cwd=ROOT, env=ONE_THREAD,
+        capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert ours.returncode == 0, ours.stderr[-3000:]
     translations = ours.stdout.splitlines()
@@ -296,7 +275,7 @@ def test_fairseq_commands_run_on_an_export(exported, runs, multi30k_slice, fairs
     hub = tmp_path / "hub.json"
     result = subprocess.run(
         [str(fairseq_bin / "python"), str(ROOT / "tests" / "workers" / "fairseq_hub.py"), str(export), str(source),
-         str(hub)], capture_output=True, text=True, timeout=600, env=ONE_THREAD,
+         str(hub)], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     loaded = json.loads(hub.read_text())

@@ -180,7 +180,7 @@ def language_pair(directory: Path) -> tuple[str, str] | None:
 
 
 def model_dictionaries(
-    task: dict[str, Any], data: str | None, cfg: ModelConfig, source: Path
+    task: dict[str, Any], data: str | Path | None, cfg: ModelConfig, source: Path
 ) -> tuple[Path, dict[str, Dictionary]]:
     """The data directory the model was trained on (`data`, default the one its task names) and its
     dictionaries, {language: dictionary}, each the size of its side's embeddings."""
@@ -226,7 +226,7 @@ def import_fairseq(
     check_output_dir(out, force, SUMMARY, [source])
     checkpoint = read_checkpoint(source)
     cfg = model_config_from(checkpoint.args, checkpoint.state, source)
-    directory, dictionaries = model_dictionaries(checkpoint.task, None if data is None else str(data), cfg, source)
+    directory, dictionaries = model_dictionaries(checkpoint.task, data, cfg, source)
     with staged(out) as staging:
         (staging / TAG).mkdir()
         write_layers(cfg, checkpoint.state, staging / TAG, source)

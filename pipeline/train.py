@@ -268,7 +268,7 @@ def run(
     validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
     best = Best(cfg.train.best_metric, save_dir)
     if rank == 0 and best.tag is not None:
-        print(f"fathom: best valid {best.metric} so far {best.value:.4f}{best.unit} ({best.tag})", flush=True)
+        print(f"fathom: best valid {best.metric} so far {best.text()} ({best.tag})", flush=True)
         if warning := best.warning():
             print(f"fathom: warning: {warning}", file=sys.stderr, flush=True)
     offset = start_point.schedule_offset

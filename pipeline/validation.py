@@ -78,7 +78,6 @@ class Best:
     def __init__(self, metric: str, save_dir: Path):
         self.metric, self.key = metric, BEST_VALUE.format(metric=metric)
         self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
-        self.unit = " nats" if metric == "loss" else ""
         self.tag = linked_best(save_dir)
         saved = (None if self.tag is None else model_states(save_dir / self.tag)) or {}
         self.value = saved.get(self.key, self.sign * float("inf"))
@@ -103,6 +102,12 @@ class Best:
 
     def state(self) -> dict[str, float]:
         return {self.key: self.value}
+
+    def text(self) -> str:
+        """The value as the validation line prints it: a loss in nats with fairseq's bits beside it."""
+        if self.metric != "loss":
+            return f"{self.value:.4f}"
+        return f"{self.value:.4f} nats ({self.value / math.log(2):.4f} bits)"
 
 
 class Validation:
@@ -141,4 +146,4 @@ def validation_line(record: dict[str, Any], best: Best) -> str:
         if "valid_bleu" in record
         else ""
     )
-    return f"step {record['step']} | {losses}{bleu} | best {best.metric} {best.value:.4f}{best.unit}"
+    return f"step {record['step']} | {losses}{bleu} | best {best.metric} {best.text()}"

@@ -2,6 +2,7 @@
 status 2, nothing in the run directory rewritten; no checkpoint file can run code when loaded."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -34,7 +35,7 @@ from fathom.corpus.dataset import BinarizedCorpus, file_record
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
 from fathom.pipeline.train import main
-from fathom.pipeline.validation import Best, validate
+from fathom.pipeline.validation import Best, validate, validation_line
 from fathom.translation.generate import main as generate_main
 from fathom.translation.translate import main as translate_main
 from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
@@ -503,7 +504,8 @@ def test_resume_from_an_older_checkpoint_keeps_the_better_best(multi30k_slice, t
     resumed = launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice, "train.max_steps=10", *cadence),
                      "--resume")  # fmt: skip
     assert resumed.returncode == 0
-    assert f"fathom: best valid loss so far {valid[12]:.4f} nats (best_global_step12)" in resumed.stdout
+    best = f"{valid[12]:.4f} nats ({valid[12] / math.log(2):.4f} bits)"
+    assert f"fathom: best valid loss so far {best} (best_global_step12)" in resumed.stdout
     assert "warning" not in resumed.stderr  # its best loss is per target token, as this run's
     assert linked_best(run) == "best_global_step12" and read_manifest(run / "best_global_step12")
     assert [r["best_valid_loss"] for r in read_jsonl(run / "metrics.jsonl") if r.get("step") in (8, 10)
@@ -531,6 +533,23 @@ def test_a_best_loss_from_before_per_token_validation_is_named_on_resume(tmp_pat
                 "validation below it replaces best_global_step4"
             )
     assert client_state({"best_valid_loss": 3.8366}, 0, {})[LOSS_PER_TOKEN] is True  # what checkpoints now hold
+
+
+def test_the_validation_line_gives_each_loss_in_nats_and_fairseqs_bits(tmp_path):
+    """fairseq prints bits, fathom's losses are nats: the line names the unit of every loss, the best one's too."""
+    record = {"step": 20, "valid_loss": 3.8366, "valid_nll_loss": 3.0, "valid_loss_bits": 3.8366 / math.log(2),
+              "valid_nll_loss_bits": 3.0 / math.log(2)}  # fmt: skip
+    best = Best("loss", tmp_path)
+    best.update(3.8366)
+    assert validation_line(record, best) == (
+        "step 20 | valid loss 3.8366 nats (5.5350 bits) | valid nll_loss 3.0000 nats (4.3281 bits) "
+        "| best loss 3.8366 nats (5.5350 bits)"
+    )
+    bleu = Best("bleu", tmp_path)
+    bleu.update(31.2)
+    assert validation_line({**record, "valid_bleu": 31.2, "valid_bleu_seconds": 2.5}, bleu).endswith(
+        "| valid bleu 31.20 (2.5 s) | best bleu 31.2000"
+    )
 
 
 @pytest.mark.slow

@@ -269,10 +269,10 @@ def test_every_layout_of_3_and_4_stages_trains_as_one_process(stage_matrix, stag
     assert_search_equals_single_process(config, out, case, overrides, world_size=stages)
 
 
-def test_tokens_count_each_micro_batch_once_at_3_stages(stage_matrix):
+@pytest.mark.parametrize("stages", sorted(STAGE_MATRIX))
+def test_tokens_count_each_micro_batch_once_at_3_and_4_stages(stage_matrix, stages):
     """metrics.jsonl's `tokens` (and so `tokens_per_s`) is the target tokens the step's micro-batches hold,
-    counted from the data, on every rank; the middle stage loads no micro-batch."""
-    stages = 3
+    counted from the data, on every rank; the middle stages load no micro-batch."""
     config, out = stage_matrix(stages)
     case = next(iter(STAGE_MATRIX[stages]))
     cfg = load_config(config, STAGE_MATRIX[stages][case][0].split(","), world_size=stages)

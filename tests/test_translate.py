@@ -266,10 +266,13 @@ def test_a_damaged_run_directory_is_one_line(capsys, multi30k_slice, tmp_path):
 
 
 def test_a_run_that_never_saved_says_so(capsys, monkeypatch, multi30k_slice, tmp_path):
-    """It asked for `one of the global_step* folders` of a run that had none."""
+    """It asked for `one of the global_step* folders` of a run that had none; a run with checkpoints but
+    no `latest` names the tags to pass."""
     run = untrained_run(multi30k_slice, tmp_path / "run")
-    shutil.rmtree(run / "global_step1")
     (run / "latest").unlink()
+    err = refused(capsys, monkeypatch, run, multi30k_slice, b"Ein Hund.\n")
+    assert err.strip() == f"fathom: error: {run}: no 'latest' file; pass a tag, one of: global_step1"
+    shutil.rmtree(run / "global_step1")
     err = refused(capsys, monkeypatch, run, multi30k_slice, b"Ein Hund.\n")
     assert f"{run}: no 'latest' file and no checkpoint: the run has not saved one yet" in err
     assert "train.save_interval" in err

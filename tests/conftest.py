@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, prepare_slice
+from tests.helpers import ROOT, built_once, prepare_slice
 
 REAL_POPEN_INIT = subprocess.Popen.__init__
 
@@ -59,8 +59,12 @@ def process_group(monkeypatch) -> None:
 @pytest.fixture(scope="session")
 def multi30k_slice(tmp_path_factory) -> Path:
     """A prepared data directory from a few hundred real Multi30k pairs."""
-    out = tmp_path_factory.mktemp("prepared") / "m30k"
-    return prepare_slice(tmp_path_factory.mktemp("raw"), out, pairs=400, valid=60, test=50, vocab_size=400)
+
+    def prepare(folder: Path) -> None:
+        (folder / "raw").mkdir()
+        prepare_slice(folder / "raw", folder / "m30k", pairs=400, valid=60, test=50, vocab_size=400)
+
+    return built_once(tmp_path_factory, "multi30k_slice", prepare) / "m30k"
 
 
 @pytest.fixture(scope="session")

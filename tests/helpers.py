@@ -3,12 +3,18 @@ data, fake runs, and comparing two trainings."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from fathom.common.ports import free_port
 from fathom.common.repo import ROOT
@@ -25,23 +31,119 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
+def rank_environment(rank: int, processes: int, port: int) -> dict[str, str]:
+    """What `deepspeed --num_gpus N` gives rank `rank` of a one-node job on CPUs: its launch.py sets the
+    world and the visible devices on top of the caller's environment
+    (test_launch.py::test_launch_gives_ranks_the_environment_deepspeed_gives_them compares the two)."""
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes), "RANK": str(rank),
+             "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(processes), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+             "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(processes)))}  # fmt: skip
+    return {**launch_env(), **world}
+
+
+def rank_command(script: str | Path, rank: int, *args: str) -> list[str]:
+    """The command line DeepSpeed's launch.py starts a rank with."""
+    return [sys.executable, "-u", str(script), f"--local_rank={rank}", *args]
+
+
+class Job(subprocess.CompletedProcess):
+    """A launched job that has ended: rank 0's command line, the job's status, its ranks' output, and
+    the port they met on (DeepSpeed names its shared-memory segments by it)."""
+
+    def __init__(self, args: list[str], returncode: int, stdout: str, stderr: str, port: int):
+        super().__init__(args, returncode, stdout, stderr)
+        self.port = port
+
+
 def launch(
     script: str | Path, *args: str, processes: int = 2, timeout: int = 600, file_size_limit: int | None = None
-) -> subprocess.CompletedProcess:
-    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks; with
-    `file_size_limit` (bytes) no process of the job can write a file past it, as on a full disk."""
-    cmd = launcher_command(script, *args, processes=processes)
+) -> Job:
+    """Runs a script as `processes` CPU ranks of one job, each started as `deepspeed --num_gpus N` starts it,
+    without the launcher's two processes in front: each imports torch and DeepSpeed, 7 of a launch's 24
+    CPU-seconds and 10 of its 20 s. As DeepSpeed's launch.py does, a rank that fails ends the others
+    (SIGTERM), and the job's status is that rank's. With `file_size_limit` (bytes) no rank can write a file
+    past it, as on a full disk. Tests of the launcher itself use `deepspeed_launch`."""
 
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    result = subprocess.run(
-        cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout,
-        preexec_fn=limit_file_size if file_size_limit else None,
-    )  # fmt: skip
+    port, deadline = free_port(), time.monotonic() + timeout
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        ranks = [
+            subprocess.Popen(
+                rank_command(script, rank, *args),
+                cwd=ROOT,
+                env=rank_environment(rank, processes, port),
+                stdout=out,
+                stderr=err,
+                text=True,
+                preexec_fn=limit_file_size if file_size_limit else None,
+            )  # fmt: skip
+            for rank in range(processes)
+        ]
+        try:
+            status = wait_for_ranks(ranks, deadline)
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+        if status is None:
+            raise subprocess.TimeoutExpired(rank_command(script, 0, *args), timeout)
+        out.seek(0)
+        err.seek(0)
+        result = Job(rank_command(script, 0, *args), status, out.read(), err.read(), port)
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
     return result
+
+
+def wait_for_ranks(ranks: list[subprocess.Popen], deadline: float) -> int | None:
+    """The job's exit status once every rank has ended, None past `deadline`. The first rank to fail ends
+    the rest with SIGTERM, as DeepSpeed's launch.py does, and its status is the job's (as an exit status:
+    a rank killed by signal 9 makes it 247)."""
+    failed = None
+    while time.monotonic() < deadline:
+        codes = [rank.poll() for rank in ranks]
+        if failed is None and any(code not in (None, 0) for code in codes):
+            failed = next(code for code in codes if code not in (None, 0))
+            for rank, code in zip(ranks, codes, strict=True):
+                if code is None:
+                    rank.terminate()
+        if None not in codes:
+            return failed % 256 if failed is not None else 0
+        time.sleep(0.02)
+    return None
+
+
+def deepspeed_launch(
+    script: str | Path, *args: str, processes: int = 2, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks."""
+    result = subprocess.run(launcher_command(script, *args, processes=processes), cwd=ROOT, env=launch_env(),
+                            capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
+    return result
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The directory `name` that `build` makes, made once for the whole test session: under `pytest -n 2`
+    each worker runs a module's fixtures itself, so a trained run that two workers' tests read was
+    trained twice. The worker that asks first builds it under a lock, in the directory both share; one
+    whose build failed leaves nothing, and the next to ask builds it again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N/, above each worker's popen-gwK/
+    path, done = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
 
 
 MULTI30K = ROOT / "data" / "multi30k"

@@ -38,7 +38,7 @@ from fathom.pipeline.train import main
 from fathom.pipeline.validation import Best, validate, validation_line
 from fathom.translation.generate import main as generate_main
 from fathom.translation.translate import main as translate_main
-from tests.helpers import ROOT, assert_same_training, edit_prepared, launch, snapshot
+from tests.helpers import ROOT, assert_same_training, built_once, edit_prepared, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "train.save_interval=1", "train.log_interval=1"]
@@ -52,9 +52,11 @@ def train_args(run: Path, data: Path, *overrides: str) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, multi30k_slice) -> Path:
     """A 2-stage run of 2 steps on real pairs, checkpointed at both steps."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    assert launch(ROOT / "scripts" / "train.py", *train_args(run, multi30k_slice)).returncode == 0
-    return run
+
+    def train(folder: Path) -> None:
+        assert launch(ROOT / "scripts" / "train.py", *train_args(folder / "run", multi30k_slice)).returncode == 0
+
+    return built_once(tmp_path_factory, "checkpoint_safety_trained", train) / "run"
 
 
 @pytest.fixture

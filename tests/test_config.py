@@ -28,7 +28,7 @@ from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
 from fathom.pipeline.config.history import record_config
 from fathom.pipeline.config.run_config import DataConfig, TrainConfig, ValidBleu, load_config
 from fathom.pipeline.train import main
-from tests.helpers import ROOT, launch, snapshot
+from tests.helpers import ROOT, deepspeed_launch, launch, snapshot
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
@@ -483,7 +483,7 @@ def test_overrides_take_dotted_keys_and_json_values(tmp_path):
 @pytest.mark.slow
 def test_the_launcher_exits_nonzero_on_a_bad_config(tmp_path):
     path = write_config(tmp_path, set_key(["model", "decoder_layer"], 2))
-    result = launch(ROOT / "scripts" / "train.py", "--config", str(path))
+    result = deepspeed_launch(ROOT / "scripts" / "train.py", "--config", str(path))
     assert result.returncode != 0
     assert "fathom: error: model.decoder_layer: unknown key" in result.stderr + result.stdout
 

@@ -37,11 +37,21 @@ OVERRIDES = [
 ]
 
 
+def run_args(save_dir: Path, *overrides: str, steps: int = STEPS) -> list[str]:
+    return ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES,
+            f"train.max_steps={steps}", *overrides, f"train.save_dir={save_dir}", "--resume"]  # fmt: skip
+
+
 def command(save_dir: Path, port: int, *overrides: str, steps: int = STEPS) -> list[str]:
-    config = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES,
-              f"train.max_steps={steps}", *overrides]  # fmt: skip
-    return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(WORKER), *config,
-            f"train.save_dir={save_dir}", "--resume"]  # fmt: skip
+    """The job under the real launcher, which the kills and stops here are sent through."""
+    return [shutil.which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(WORKER),
+            *run_args(save_dir, *overrides, steps=steps)]  # fmt: skip
+
+
+def resume(save_dir: Path, *overrides: str, steps: int) -> subprocess.CompletedProcess:
+    result = launch(WORKER, *run_args(save_dir, *overrides, steps=steps))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
 
 
 def rank_pids(save_dir: Path) -> dict[int, int]:
@@ -136,8 +146,7 @@ def test_each_kind_of_kill_resumes_to_the_uninterrupted_weights(tmp_path):
     for kill in kills:
         history.append(killed_launch(run, kill, rng))
         assert_latest_whole(run)
-    final = subprocess.run(command(run, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout[-4000:] + final.stderr[-4000:]
+    resume(run, steps=STEPS)
     print("\n".join(history))
 
     assert_same_training(uninterrupted, run)
@@ -184,9 +193,7 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
     assert not rank_pids(save_dir) and not list(save_dir.glob("heartbeat-*")), output[-3000:]
     assert_latest_whole(save_dir)
     assert all(read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
-    resumed = subprocess.run(command(save_dir, free_port(), steps=STOPPED_STEPS), cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resume(save_dir, steps=STOPPED_STEPS)
     assert steps_done(save_dir) == STOPPED_STEPS
 
 
@@ -210,9 +217,7 @@ def test_a_stop_keeps_a_validated_best_and_resume_continues_from_it(tmp_path, ma
         rf"fathom: stopped by SIGTERM after step \d+; the same command with --resume continues from {best}", stopped[0]
     ), output[-3000:]
     assert made or (save_dir / "notes.txt").read_text() == "mine"
-    resumed = subprocess.run(command(save_dir, free_port(), *cadence, steps=STOPPED_STEPS), cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    resumed = resume(save_dir, *cadence, steps=STOPPED_STEPS)
     assert f"resumed from {save_dir}/{best} at step {best.removeprefix('best_global_step')}" in resumed.stdout
     assert steps_done(save_dir) == STOPPED_STEPS
 

@@ -29,7 +29,7 @@ from fathom.pipeline.preflight import check_run
 from fathom.pipeline.train import parse_args as parse_train_args
 from fathom.tools.translation_speed import search_flags
 from fathom.translation.generate import main as generate_main
-from tests.helpers import ROOT, contents, edit_prepared, launch, write_slice
+from tests.helpers import ROOT, built_once, contents, edit_prepared, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"
@@ -65,13 +65,14 @@ def convert_to(run: Path, data: Path, out: Path, *extra: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, multi30k_slice) -> Path:
     """Every case trained with 2 pipeline stages on real Multi30k pairs (one launch)."""
-    out = tmp_path_factory.mktemp("runs")
-    cases = [f"{name}={overrides},data.path={multi30k_slice}" for name, overrides in CASES.items()]
-    result = launch(
-        ROOT / "tests" / "workers" / "train_cases.py", str(ROOT / "ds_configs" / "default.json"), str(out), *cases
-    )
-    assert result.returncode == 0, "the training worker failed (its output is above)"
-    return out
+
+    def train(out: Path) -> None:
+        cases = [f"{name}={overrides},data.path={multi30k_slice}" for name, overrides in CASES.items()]
+        worker, config = ROOT / "tests" / "workers" / "train_cases.py", ROOT / "ds_configs" / "default.json"
+        result = launch(worker, str(config), str(out), *cases)
+        assert result.returncode == 0, "the training worker failed (its output is above)"
+
+    return built_once(tmp_path_factory, "fairseq_runs", train)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline import launcher_checks
 from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from fathom.pipeline.train import main as train_main
-from tests.helpers import ROOT
+from tests.helpers import ROOT, deepspeed_launch, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 
@@ -121,6 +121,30 @@ def test_world_size_follows_the_runners_resource_rules(tmp_path):
     assert processes(tmp_path, "--num_gpus", "1") == 2
     no_hostfile = runner.parse_args(["--num_gpus", "3", "scripts/train.py"])
     assert launcher_checks.launched_processes(no_hostfile) == 3
+
+
+@pytest.mark.slow
+def test_launch_gives_ranks_the_environment_deepspeed_gives_them():
+    """tests/helpers.py's launch starts a job's ranks without the deepspeed launcher's processes (the suite
+    launches about a hundred jobs): each rank must get the arguments, the unbuffered Python and the
+    environment, variable for variable, the launcher gives it, but for the port."""
+
+    def ranks(result) -> dict[str, dict]:
+        assert result.returncode == 0
+        started = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+        for rank in started:
+            rank["env"].pop("MASTER_PORT")
+        return {rank["env"]["RANK"]: rank for rank in started}
+
+    script, args = ROOT / "tests" / "workers" / "environment.py", ("--config", "x.json")
+    real, ours = ranks(deepspeed_launch(script, *args)), ranks(launch(script, *args))
+    assert sorted(real) == sorted(ours) == ["0", "1"]
+    for rank in real:
+        env, our_env = real[rank].pop("env"), ours[rank].pop("env")
+        differing = {key: (env.get(key), our_env.get(key)) for key in env.keys() | our_env.keys()
+                     if env.get(key) != our_env.get(key)}  # fmt: skip
+        assert not differing, f"rank {rank}: variable: (deepspeed's, ours): {differing}"
+        assert ours[rank] == real[rank]
 
 
 ENVIRONMENTS = {

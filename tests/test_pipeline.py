@@ -23,7 +23,7 @@ from fathom.pipeline.config.run_config import build_corpus, load_config, resolve
 from fathom.pipeline.partition import stage_bounds
 from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
 from fathom.pipeline.train import profile_batch
-from tests.helpers import ROOT, launch
+from tests.helpers import ROOT, built_once, launch
 from tests.workers.parity import SEARCH
 
 pytestmark = pytest.mark.slow
@@ -67,14 +67,16 @@ REAL_DATA_CASE = "branchnorm_multi30k_token_batches"
 
 @pytest.fixture(scope="module")
 def parity_runs(tmp_path_factory, multi30k_slice):
-    out = tmp_path_factory.mktemp("parity")
-    config = out / "parity.json"
-    config.write_text(json.dumps(PARITY_CONFIG))
     cases = {**CASES, REAL_DATA_CASE: f"model.norm_scheme=branchnorm,data.path={multi30k_slice},data.max_tokens=120"}
-    args = [f"{name}={overrides}" for name, overrides in cases.items()]
-    result = launch(ROOT / "tests" / "workers" / "parity.py", str(config), str(out), *args)
-    assert result.returncode == 0, "the parity worker failed (its output is above)"
-    return config, out, cases
+
+    def train(out: Path) -> None:
+        (out / "parity.json").write_text(json.dumps(PARITY_CONFIG))
+        args = [f"{name}={overrides}" for name, overrides in cases.items()]
+        result = launch(ROOT / "tests" / "workers" / "parity.py", str(out / "parity.json"), str(out), *args)
+        assert result.returncode == 0, "the parity worker failed (its output is above)"
+
+    out = built_once(tmp_path_factory, "parity_runs", train)
+    return out / "parity.json", out, cases
 
 
 def assert_step_equals_single_process(config, out, case, overrides, world_size):
@@ -411,8 +413,7 @@ def test_bf16_pipeline_trains(tmp_path):
     losses = [r["loss"] for r in metrics(tmp_path)]
     assert len(losses) == 20 and all(map(math.isfinite, losses))
     assert sum(losses[-5:]) < sum(losses[:5])
-    port = result.args[result.args.index("--master_port") + 1]
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{result.port}_*"))
 
 
 def single_process_valid_loss(model, cfg, smoothing=None) -> tuple[float, float]:

@@ -28,7 +28,7 @@ from fathom.common.checkpoint_format import (
 from fathom.common.errors import exit_on_config_error
 from fathom.common.run_layout import latest_step
 from fathom.pipeline.checkpoint.reshape import UNIVERSAL, Shape
-from tests.helpers import ROOT, launch, launch_env, launcher_command, logged_steps
+from tests.helpers import ROOT, built_once, launch, launch_env, launcher_command, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "reshaped_state.py"
@@ -49,15 +49,18 @@ TOLERANCE = 1e-5  # relative, fp32
 BF16_TOLERANCE = 1e-4  # relative: gradients summed in another order in bf16
 
 
+def train_args(shape: str, run: Path, *overrides: str) -> list[str]:
+    return ["--config", str(DEFAULT), "--override", *SMALL, *SHAPES[shape][1], f"train.save_dir={run}", *overrides]
+
+
 def train_command(shape: str, run: Path, *overrides: str) -> list[str]:
-    processes, settings = SHAPES[shape]
-    args = ["--config", str(DEFAULT), "--override", *SMALL, *settings, f"train.save_dir={run}", *overrides]
-    return launcher_command(ROOT / "scripts" / "train.py", *args, processes=processes)
+    """The job under the real launcher, for a test that kills it whole."""
+    args = train_args(shape, run, *overrides)
+    return launcher_command(ROOT / "scripts" / "train.py", *args, processes=SHAPES[shape][0])
 
 
 def train(shape: str, run: Path, *overrides: str) -> str:
-    result = subprocess.run(train_command(shape, run, *overrides), cwd=ROOT, env=launch_env(), capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = launch(ROOT / "scripts" / "train.py", *train_args(shape, run, *overrides), processes=SHAPES[shape][0])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
 
@@ -109,11 +112,13 @@ def dir_digest(directory: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """3 steps at 2 stages x 1 replica, in fp32 and bf16, checkpointed at step 3."""
-    root = tmp_path_factory.mktemp("reshape")
-    for precision in ("fp32", "bf16"):
-        train("2x1", root / precision, "train.max_steps=3", "train.save_interval=3",
-              f"bf16.enabled={str(precision == 'bf16').lower()}")  # fmt: skip
-    return root
+
+    def train_both(root: Path) -> None:
+        for precision in ("fp32", "bf16"):
+            train("2x1", root / precision, "train.max_steps=3", "train.save_interval=3",
+                  f"bf16.enabled={str(precision == 'bf16').lower()}")  # fmt: skip
+
+    return built_once(tmp_path_factory, "reshape_trained", train_both)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ M30K ?= data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 
-.PHONY: install mpi peers demo test lint format multi30k
+.PHONY: install mpi peers demo test lint format multi30k fairseq-env-background
 
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
@@ -44,10 +44,16 @@ format:
 	ruff check --fix .
 
 # Two workers (pytest-xdist): most of the suite's time is processes starting, loading and waiting on
-# each other, which a second worker overlaps even on 2 cores (22 min instead of 29 on a 2-core Xeon)
+# each other, which a second worker overlaps even on 2 cores (22 min instead of 29 on a 2-core Xeon).
+# fairseq's environment (tests/test_fairseq.py, test_bench_prepare.py) builds in the background from the
+# start, so no worker waits minutes for it; a finished one is reused, and a failed build is retried and
+# reported by the first test that needs it.
 test: EXTRAS = dev,mpi
-test: mpi install peers lint
+test: fairseq-env-background mpi install peers lint
 	$(PYTHON) -m pytest -n 2 --durations=25
+
+fairseq-env-background:
+	bash scripts/setup_fairseq_env.sh >/dev/null 2>&1 &
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set with the best and the
 # averaged last 5 checkpoints, score, plot.

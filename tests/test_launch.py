@@ -124,26 +124,27 @@ def test_world_size_follows_the_runners_resource_rules(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_gives_ranks_the_environment_deepspeed_gives_them():
+def test_launch_gives_ranks_the_environment_deepspeed_gives_them(tmp_path):
     """tests/helpers.py's launch starts a job's ranks without the deepspeed launcher's processes (the suite
     launches about a hundred jobs): each rank must get the arguments, the unbuffered Python and the
     environment, variable for variable, the launcher gives it, but for the port."""
+    script, args = ROOT / "tests" / "workers" / "environment.py", (str(tmp_path), "--config", "x.json")
 
     def ranks(result) -> dict[str, dict]:
         assert result.returncode == 0
-        started = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-        for rank in started:
+        started = {path.name: json.loads(path.read_text()) for path in tmp_path.glob("rank*.json")}
+        for rank in started.values():
             rank["env"].pop("MASTER_PORT")
-        return {rank["env"]["RANK"]: rank for rank in started}
+            (tmp_path / f"rank{rank['env']['RANK']}.json").unlink()
+        return started
 
-    script, args = ROOT / "tests" / "workers" / "environment.py", ("--config", "x.json")
     real, ours = ranks(deepspeed_launch(script, *args)), ranks(launch(script, *args))
-    assert sorted(real) == sorted(ours) == ["0", "1"]
+    assert sorted(real) == sorted(ours) == ["rank0.json", "rank1.json"]
     for rank in real:
         env, our_env = real[rank].pop("env"), ours[rank].pop("env")
         differing = {key: (env.get(key), our_env.get(key)) for key in env.keys() | our_env.keys()
                      if env.get(key) != our_env.get(key)}  # fmt: skip
-        assert not differing, f"rank {rank}: variable: (deepspeed's, ours): {differing}"
+        assert not differing, f"{rank}: variable: (deepspeed's, ours): {differing}"
         assert ours[rank] == real[rank]
 
 

@@ -1,9 +1,15 @@
-"""A rank that prints, as one JSON line, what it was started with: its arguments, whether Python runs
+"""A rank that writes what it was started with to OUT/rankRANK.json: its arguments, whether Python runs
 unbuffered, and its environment. For tests/test_launch.py, which compares the real launcher's ranks with
-tests/helpers.py's."""
+tests/helpers.py's.
+
+Usage: environment.py OUT [ARG ...]
+"""
 
 import json
 import os
 import sys
+from pathlib import Path
 
-print(json.dumps({"argv": sys.argv[1:], "unbuffered": sys.stdout.write_through, "env": dict(os.environ)}))
+started = {"argv": sys.argv[1:], "unbuffered": sys.stdout.write_through, "env": dict(os.environ)}
+out = Path(sys.argv[2 if sys.argv[1].startswith("--local_rank") else 1])
+(out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(started))

@@ -14,7 +14,7 @@ M30K ?= data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 
-.PHONY: install mpi peers demo test lint format multi30k fairseq-env-background
+.PHONY: install mpi peers demo test lint format multi30k fairseq-env-background deepspeed-ops-background
 
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
@@ -48,12 +48,18 @@ format:
 # fairseq's environment (tests/test_fairseq.py, test_bench_prepare.py) builds in the background from the
 # start, so no worker waits minutes for it; a finished one is reused, and a failed build is retried and
 # reported by the first test that needs it.
+# DeepSpeed's shared-memory all-reduce for CPU ranks is compiled on first use (about 1 min): it starts
+# compiling beside the lint, where every rank of the suite's first jobs waited for it.
 test: EXTRAS = dev,mpi
-test: fairseq-env-background mpi install peers lint
+test: fairseq-env-background mpi install peers deepspeed-ops-background lint
 	$(PYTHON) -m pytest -n 2 --durations=25
 
 fairseq-env-background:
 	bash scripts/setup_fairseq_env.sh >/dev/null 2>&1 &
+
+deepspeed-ops-background: install
+	$(PYTHON) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" \
+		>/dev/null 2>&1 &
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set with the best and the
 # averaged last 5 checkpoints, score, plot.

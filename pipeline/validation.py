@@ -105,9 +105,7 @@ class Best:
 
     def text(self) -> str:
         """The value as the validation line prints it: a loss in nats with fairseq's bits beside it."""
-        if self.metric != "loss":
-            return f"{self.value:.4f}"
-        return f"{self.value:.4f} nats ({self.value / math.log(2):.4f} bits)"
+        return loss_text(self.value) if self.metric == "loss" else f"{self.value:.4f}"
 
 
 class Validation:
@@ -135,12 +133,14 @@ class Validation:
         return record
 
 
+def loss_text(nats: float) -> str:
+    """A loss as fathom prints it: nats, with the bits fairseq prints beside them."""
+    return f"{nats:.4f} nats ({nats / math.log(2):.4f} bits)"
+
+
 def validation_line(record: dict[str, Any], best: Best) -> str:
     """The losses in nats, fairseq's bits beside them: `loss` label-smoothed, `nll_loss` not."""
-    losses = " | ".join(
-        f"valid {name} {record[f'valid_{name}']:.4f} nats ({record[f'valid_{name}_bits']:.4f} bits)"
-        for name in ("loss", "nll_loss")
-    )
+    losses = " | ".join(f"valid {name} {loss_text(record[f'valid_{name}'])}" for name in ("loss", "nll_loss"))
     bleu = (
         f" | valid bleu {record['valid_bleu']:.2f} ({record['valid_bleu_seconds']:.1f} s)"
         if "valid_bleu" in record

@@ -89,12 +89,11 @@ def launch(
                     rank.kill()
                     rank.wait()
         if status is None:
-            raise subprocess.TimeoutExpired(rank_command(script, 0, *args), timeout)
+            raise subprocess.TimeoutExpired(ranks[0].args, timeout)
         out.seek(0)
         err.seek(0)
-        result = Job(rank_command(script, 0, *args), status, out.read(), err.read(), port)
-    if result.returncode != 0:
-        sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
+        result = Job(ranks[0].args, status, out.read(), err.read(), port)
+    show_if_failed(result)
     return result
 
 
@@ -105,8 +104,9 @@ def wait_for_ranks(ranks: list[subprocess.Popen], deadline: float) -> int | None
     failed = None
     while time.monotonic() < deadline:
         codes = [rank.poll() for rank in ranks]
-        if failed is None and any(code not in (None, 0) for code in codes):
-            failed = next(code for code in codes if code not in (None, 0))
+        failures = [code for code in codes if code not in (None, 0)]
+        if failed is None and failures:
+            failed = failures[0]
             for rank, code in zip(ranks, codes, strict=True):
                 if code is None:
                     rank.terminate()
@@ -122,9 +122,14 @@ def deepspeed_launch(
     """Runs a script under the real `deepspeed` launcher with `processes` CPU ranks."""
     result = subprocess.run(launcher_command(script, *args, processes=processes), cwd=ROOT, env=launch_env(),
                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    show_if_failed(result)
+    return result
+
+
+def show_if_failed(result: subprocess.CompletedProcess) -> None:
+    """Copies the ends of a failed job's output to the test's stderr, which pytest shows with the failure."""
     if result.returncode != 0:
         sys.stderr.write(result.stdout[-6000:] + result.stderr[-6000:])
-    return result
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:

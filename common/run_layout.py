@@ -29,7 +29,7 @@ TIME_BREAKDOWN_FILE = "time_breakdown.jsonl"  # train.time_breakdown
 MEMORY_FILE = "memory.json"  # each stage's peak memory
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # the hang watchdog's (pipeline/safety/watchdog.py)
 LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/checkpoint/run_directory.py)
-PROFILE_FILE = "admin_profile.json"  # Admin's omegas, profiled at the run's start (pipeline/admin_profile.py)
+PROFILE_FILE = "admin_profile.json"  # Admin's omegas, profiled at the run's start (pipeline/engine/admin_profile.py)
 # DeepSpeed copies its recovery scripts into SAVE_DIR with each checkpoint of a ZeRO or bf16 run.
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # Names tools write into a run by default: generate.py's hypotheses, plot_metrics.py's image.

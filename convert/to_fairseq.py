@@ -48,7 +48,7 @@ from fathom.model.parts import build_parts, fairseq_key
 from fathom.model.trained import missing_layer_files, model_config
 from fathom.pipeline.config.history import config_at
 from fathom.pipeline.config.run_config import TrainConfig
-from fathom.pipeline.stage_modules import PipePart, pipe_parts
+from fathom.pipeline.parts.stage_modules import PipePart, pipe_parts
 
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"

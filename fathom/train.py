@@ -7,7 +7,7 @@
 
 from functools import partial
 
-from fathom.pipeline.launched import run_launched
+from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import main as train
 
 

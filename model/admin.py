@@ -73,12 +73,12 @@ def recording(residuals: dict[str, AdminResidual]) -> Iterator[Variances]:
     """Within the block, the residuals record their variances; the yielded dict holds them after it."""
     record: Variances = {}
     for module in residuals.values():
-        module.profiling, module.variances = True, None
+        module.recording, module.variances = True, None
     try:
         yield record
     finally:
         for name, module in residuals.items():
-            module.profiling = False
+            module.recording = False
             if module.variances is not None:
                 record[name] = module.variances
 

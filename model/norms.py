@@ -77,7 +77,7 @@ class PreNorm(Residual):
 @dataclass
 class Profiling:
     """A scheme whose initialization needs a forward pass over data first (Admin's omegas, model/admin.py;
-    through the pipeline, pipeline/admin_profile.py): how a run's start sets it."""
+    through the pipeline, pipeline/engine/admin_profile.py): how a run's start sets it."""
 
     saved: str | None  # a profile an earlier run wrote: its values, no pass
     dropout: bool  # profile in training mode (dropout on)
@@ -262,18 +262,18 @@ def variance(t: torch.Tensor) -> float:
 class AdminResidual(Residual):
     """x_{l+1} = LN(x_l * omega + F(x_l)), omega a trainable vector over the model dimension.
 
-    While `profiling` is set it records (Var[x_l], Var[F(x_l)]); model/admin.py turns the records
+    While `recording` is set it records (Var[x_l], Var[F(x_l)]); model/admin.py turns the records
     of a whole stack into omegas."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.omega = nn.Parameter(torch.ones(dim))
-        self.profiling = False
+        self.recording = False
         self.variances: tuple[float, float] | None = None
 
     def forward(self, x: torch.Tensor, branch: Branch, layer_norm: nn.Module) -> torch.Tensor:
         out = branch(x)
-        if self.profiling:
+        if self.recording:
             self.variances = (variance(x), variance(out))
         return layer_norm(x * self.omega + out)
 

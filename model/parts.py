@@ -2,9 +2,9 @@
 
 Everything that builds or names the model derives from `model_parts`: the single-process
 Transformer (model/transformer.py), the pipeline's stage modules and LayerSpecs
-(pipeline/stage_modules.py, pipeline/specs.py), the names of a checkpoint's layer files, export and
+(pipeline/parts/stage_modules.py, pipeline/parts/specs.py), the names of a checkpoint's layer files, export and
 the memory planner. Every class here is a plain PyTorch module and nothing here imports DeepSpeed:
-the tuple-in, tuple-out forms its PipelineModule runs are pipeline/stage_modules.py's.
+the tuple-in, tuple-out forms its PipelineModule runs are pipeline/parts/stage_modules.py's.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.parts import model_parts, module_names
 from fathom.model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
 from fathom.pipeline.config.run_config import ValidBleu
-from fathom.pipeline.deepspeed_internals import built_stage_bounds
+from fathom.pipeline.engine.internals import built_stage_bounds
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:

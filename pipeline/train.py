@@ -5,7 +5,6 @@ deepspeed --num_gpus S scripts/train.py --config ds_configs/NAME.json [--overrid
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -21,7 +20,6 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 from fathom.common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
-from fathom.common.cli import command_parser
 from fathom.common.errors import exit_on_config_error
 from fathom.common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag
 from fathom.corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
@@ -29,7 +27,6 @@ from fathom.corpus.dataset import PreparedData, write_dictionaries
 from fathom.model.layers import compile_layers
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.norms import ScheduleHook, build_scheme
-from fathom.pipeline import admin_profile
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.data_position import data_order, position_record
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
@@ -37,19 +34,20 @@ from fathom.pipeline.config.deepspeed_values import engine_config, precision_war
 from fathom.pipeline.config.history import record_config
 from fathom.pipeline.config.resume_rules import applied_optimizer_arguments
 from fathom.pipeline.config.run_config import RunConfig
-from fathom.pipeline.cuda_graphs import graph_layers
-from fathom.pipeline.deepspeed_internals import checkpoint_engine, linear_duplicate_check
-from fathom.pipeline.engine_patches import patch_engine, patch_training
-from fathom.pipeline.launched import check_mpi_discovery, init_distributed, launched_world
-from fathom.pipeline.partition import CostBalancedPipeline
-from fathom.pipeline.preflight import check_run
+from fathom.pipeline.engine import admin_profile
+from fathom.pipeline.engine.cuda_graphs import graph_layers
+from fathom.pipeline.engine.internals import checkpoint_engine, linear_duplicate_check
+from fathom.pipeline.engine.patches import patch_engine, patch_training
+from fathom.pipeline.launch.checks import check_run, parse_train_args
+from fathom.pipeline.launch.distributed import check_mpi_discovery, init_distributed, launched_world
+from fathom.pipeline.parts.specs import layer_specs
+from fathom.pipeline.parts.stage_cuts import CostBalancedPipeline
+from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS
+from fathom.pipeline.reports.memory import current_bytes, report_peaks
+from fathom.pipeline.reports.metrics import MetricsLog
 from fathom.pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
-from fathom.pipeline.safety.memory import current_bytes, report_peaks
-from fathom.pipeline.safety.metrics import MetricsLog
 from fathom.pipeline.safety.signals import stop_on_signals
 from fathom.pipeline.safety.watchdog import Watchdog
-from fathom.pipeline.specs import layer_specs
-from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS
 from fathom.pipeline.validation import Best, Validation, validation_line
 
 
@@ -60,17 +58,6 @@ class StartPoint:
 
     schedule_offset: int = 0
     consumed: int = 0
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = command_parser(__doc__)
-    parser.add_argument("--config", required=True, help="experiment JSON (DeepSpeed keys + model/data/train)")
-    parser.add_argument(
-        "--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="e.g. model.encoder_layers=24"
-    )
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.save_dir")
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
-    return parser.parse_args(argv)
 
 
 def build_pipeline(cfg: RunConfig) -> PipelineModule:
@@ -332,7 +319,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_train_args(argv, __doc__)
     world = launched_world()
     stop_on_signals(world.rank)
     with exit_on_config_error(report=world.rank == 0):

@@ -17,7 +17,7 @@ from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import DTYPES, NUM_SPECIAL
 from fathom.pipeline.config import deepspeed_values
 from fathom.pipeline.config.run_config import RunConfig
-from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
+from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
 
 
 @dataclass

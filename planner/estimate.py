@@ -30,8 +30,8 @@ from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
-from fathom.pipeline.partition import stage_bounds
-from fathom.pipeline.safety.memory import GiB, MeasuredPeak
+from fathom.pipeline.parts.stage_cuts import stage_bounds
+from fathom.pipeline.reports.memory import GiB, MeasuredPeak
 from fathom.planner.activation_trace import LayerTrace, precision, trace_layers
 
 GB = 10**9
@@ -108,7 +108,7 @@ def estimate_stages(
     data_parallel: int = 1,
     device: str = "gpu",
 ) -> list[StageEstimate]:
-    """Every stage's memory when the model is cut into `stages` (as pipeline/partition.py cuts it)."""
+    """Every stage's memory when the model is cut into `stages` (as pipeline/parts/stage_cuts.py cuts it)."""
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
     interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
@@ -256,7 +256,7 @@ def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShap
 
 
 def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
-    """Each rank's measured peak (pipeline/safety/memory.py: above its pre-model baseline) beside its stage's
+    """Each rank's measured peak (pipeline/reports/memory.py: above its pre-model baseline) beside its stage's
     estimate."""
     path = save_dir / MEMORY_FILE
     if not path.exists():

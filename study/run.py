@@ -70,7 +70,7 @@ def command(spec: StudySpec, cell: Cell, cfg: RunConfig, port: int) -> list[str]
     """What a user would type for this cell, `fathom-launch ... --module fathom.train ...` (DeepSpeed's
     launcher, checked first), run by this interpreter so that it trains with this fathom, installed or not."""
     return [
-        sys.executable, "-m", "fathom.pipeline.launcher_checks", "--num_gpus", str(cfg.stages),
+        sys.executable, "-m", "fathom.pipeline.launch.command", "--num_gpus", str(cfg.stages),
         "--master_port", str(port), "--module", "fathom.train", "--config", spec.config,
         "--override", *cell_overrides(spec, cell), "--resume",
     ]  # fmt: skip

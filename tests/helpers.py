@@ -269,7 +269,7 @@ def trained_in_process(
     import itertools
 
     from fathom.corpus.batches import DataPosition
-    from fathom.pipeline.engine_patches import patch_training
+    from fathom.pipeline.engine.patches import patch_training
     from fathom.tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
 
     with built_engine(cfg, ds, "cpu", deepspeeds) as engine:

@@ -10,8 +10,8 @@ from fathom.common.errors import ConfigError
 from fathom.model.layers import compile_layers
 from fathom.model.model_config import ModelConfig
 from fathom.model.transformer import Transformer
-from fathom.pipeline import preflight
-from fathom.pipeline.train import parse_args
+from fathom.pipeline.launch import checks
+from fathom.pipeline.launch.checks import parse_train_args
 from tests.helpers import ROOT, final_layers, launch, logged_steps, trained_in_process
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -44,9 +44,9 @@ def test_compiled_layers_compute_what_eager_layers_compute():
 def test_compile_without_a_compiler_is_one_line(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = parse_args(["--config", str(DEFAULT), "--override", "train.compile=true"])
+    args = parse_train_args(["--config", str(DEFAULT), "--override", "train.compile=true"])
     with pytest.raises(ConfigError) as err:
-        preflight.check_run(args, 2)
+        checks.check_run(args, 2)
     assert str(err.value).startswith("train.compile: torch.compile cannot build kernels here: no C++ compiler")
 
 

@@ -14,9 +14,9 @@ from fathom.model import ModelConfig, Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
 from fathom.model.norms import BranchScaled, PostNorm
-from fathom.pipeline import cuda_graphs
 from fathom.pipeline.config.run_config import resolve_run
-from fathom.pipeline.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
+from fathom.pipeline.engine import cuda_graphs
+from fathom.pipeline.engine.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
 from tests.helpers import ROOT, launch, trained_in_process
 from tests.workers.recorded import PARAMETERS, eager_record
 

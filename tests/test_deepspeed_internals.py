@@ -1,4 +1,4 @@
-"""The DeepSpeed internals fathom uses (pipeline/deepspeed_internals.py) exist in the installed DeepSpeed
+"""The DeepSpeed internals fathom uses (pipeline/engine/internals.py) exist in the installed DeepSpeed
 and do what fathom relies on, on a real one-stage ZeRO-1 engine; another DeepSpeed version is refused in
 one line; setup.cfg pins the supported one."""
 
@@ -18,7 +18,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from fathom.pipeline.deepspeed_internals import (
+from fathom.pipeline.engine.internals import (
     SUPPORTED_VERSION,
     built_stage_bounds,
     check_for_duplicates,
@@ -37,7 +37,7 @@ from fathom.pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from fathom.pipeline.specs import layer_specs
+from fathom.pipeline.parts.specs import layer_specs
 from fathom.pipeline.train import build_engine
 from fathom.tools.training_speed import synthetic_batch
 from tests.helpers import ROOT

@@ -25,8 +25,7 @@ from fathom.model.norms import SCHEMES
 from fathom.model.search import SearchConfig
 from fathom.model.trained import load_reference
 from fathom.model.transformer import Transformer
-from fathom.pipeline.preflight import check_run
-from fathom.pipeline.train import parse_args as parse_train_args
+from fathom.pipeline.launch.checks import check_run, parse_train_args
 from fathom.tools.translation_speed import search_flags
 from fathom.translation.generate import main as generate_main
 from tests.helpers import ROOT, built_once, contents, edit_prepared, launch, write_slice

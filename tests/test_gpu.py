@@ -102,7 +102,7 @@ def test_the_fused_overflow_check_sees_nan_and_inf_on_cuda():
     launch) flags a NaN, +inf or -inf in any one of many gradient tensors, as DeepSpeed's check does."""
     import types
 
-    from fathom.pipeline.deepspeed_internals import set_gradient_scans
+    from fathom.pipeline.engine.internals import set_gradient_scans
 
     grads = [torch.randn(n, device="cuda") for n in (7, 1000, 3, 4096)]
     optimizer = types.SimpleNamespace(

@@ -87,6 +87,29 @@ def test_only_tools_find_the_repository():
     assert not sorted(needing), "find configs by name (config_file) and launch modules (python -m fathom...)"
 
 
+def run_modules() -> set[str]:
+    """pipeline's top-level modules: what composes its subpackages on every rank (train, validation, ...)."""
+    return {f"pipeline.{p.stem}" for p in (ROOT / "pipeline").glob("*.py") if p.stem != "__init__"}
+
+
+def test_no_part_of_the_run_imports_the_run_back():
+    """pipeline's subpackages (launch, config, parts, engine, checkpoint, safety, reports) are what its top-level
+    modules compose; one that imported them back would tie the parts to the whole."""
+    top = {*run_modules(), "pipeline"}
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name, deps in graph().items()
+        if name.startswith("pipeline.") and name not in top
+        for dep in deps
+        if dep in top
+    )
+    assert not wrong
+
+
+def test_the_run_keeps_at_most_12_modules_at_its_top_level():
+    assert len(run_modules()) <= 12, f"group them into pipeline's subpackages: {sorted(run_modules())}"
+
+
 def test_no_module_imports_itself_back_through_others():
     deps, cycles, state = graph(), [], {}
 
@@ -109,8 +132,8 @@ def test_no_module_imports_itself_back_through_others():
 COMMAND_LAYER = {
     "fathom.translation.translate.search_config": "translate's and generate's search flags into a SearchConfig",
     "fathom.translation.translate.command_line_translator": "their model flags into Translator.from_checkpoint",
-    "fathom.pipeline.preflight.check_run": "train's flags (--config, --override), checked by train and by launch",
-    "fathom.pipeline.launcher_checks.launched_processes": "the deepspeed runner's own flags, for launch",
+    "fathom.pipeline.launch.checks.check_run": "train's flags (--config, --override), checked by train and by launch",
+    "fathom.pipeline.launch.command.launched_processes": "the deepspeed runner's own flags, for launch",
     "fathom.pipeline.checkpoint.consolidated.check_supported": "zero_to_fp32's flags fathom refuses",
     # not a command line: fairseq's run arguments, stored in the checkpoint as fairseq-train stores them
     "fathom.convert.to_fairseq.fairseq_checkpoint": "fairseq's args, data written for fairseq",

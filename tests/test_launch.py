@@ -9,8 +9,8 @@ import pytest
 from deepspeed.launcher import runner
 
 from fathom.common.errors import REPORTER_GRACE_S, ConfigError
-from fathom.pipeline import launcher_checks
-from fathom.pipeline.launched import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
+from fathom.pipeline.launch import command as launch_command
+from fathom.pipeline.launch.distributed import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from fathom.pipeline.train import main as train_main
 from tests.helpers import ROOT, deepspeed_launch, launch
 
@@ -42,7 +42,7 @@ def hostfile(tmp_path, text):
 
 def fail(capsys, argv):
     with pytest.raises(SystemExit) as exc:
-        launcher_checks.main(argv)
+        launch_command.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
@@ -101,14 +101,14 @@ def test_a_good_hostfile_runs_deepspeed_with_the_same_arguments(tmp_path, capsys
     path = hostfile(tmp_path, "# two nodes\nworker-0 slots=1 max_slots=4\n\nworker-1 slots=1\n")
     argv = ["--hostfile", path, "--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", "29555"]
     argv += ["scripts/train.py", "--config", str(config), "--override", "train.max_steps=4"]
-    launcher_checks.main(argv)
+    launch_command.main(argv)
     assert execs == [argv]
     assert "launching 2 processes" in capsys.readouterr().out
 
 
 def processes(tmp_path, *flags, text="worker-0 slots=4\nworker-1 slots=2\n"):
     args = runner.parse_args(["--hostfile", hostfile(tmp_path, text), *flags, "scripts/train.py"])
-    return launcher_checks.launched_processes(args)
+    return launch_command.launched_processes(args)
 
 
 @pytest.mark.slow
@@ -120,7 +120,7 @@ def test_world_size_follows_the_runners_resource_rules(tmp_path):
     assert processes(tmp_path, "--num_nodes", "1") == 4
     assert processes(tmp_path, "--num_gpus", "1") == 2
     no_hostfile = runner.parse_args(["--num_gpus", "3", "scripts/train.py"])
-    assert launcher_checks.launched_processes(no_hostfile) == 3
+    assert launch_command.launched_processes(no_hostfile) == 3
 
 
 @pytest.mark.slow

@@ -16,8 +16,7 @@ from fathom.common.errors import ConfigError
 from fathom.common.run_layout import META_FILE
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.corpus.prepare import main as prepare_main
-from fathom.pipeline.preflight import check_run
-from fathom.pipeline.train import parse_args as parse_train_args
+from fathom.pipeline.launch.checks import check_run, parse_train_args
 from tests.helpers import ROOT, write_slice
 
 MAX_LEN = 40  # pieces, the training pairs' limit

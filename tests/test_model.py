@@ -14,7 +14,7 @@ from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, ModelConfig
 from fathom.model.parts import build_parts, model_parts
 from fathom.model.transformer import Transformer
-from fathom.pipeline.stage_modules import pipe_parts
+from fathom.pipeline.parts.stage_modules import pipe_parts
 
 
 def test_attention_equals_softmax_formula_with_padding_mask():

@@ -1,7 +1,7 @@
 """fathom's own figures in DeepSpeed's monitors: what metrics.jsonl records, the monitor gets too
 (test_pipeline.py::test_resume_matches_uninterrupted_run reads them back from a real run's csv_monitor)."""
 
-from fathom.pipeline.safety.metrics import MetricsLog
+from fathom.pipeline.reports.metrics import MetricsLog
 
 
 class Monitor:

@@ -146,7 +146,7 @@ CASES = [
     Case("bench_prepare", "--vocab-size", "7", "--vocab-size: must be at least 8, got 7"),
     Case("bench_prepare", "--workers", "0", "--workers: must be at least 1, got 0"),
     Case("bench_prepare", "--spm-sample", "0", "--spm-sample: must be at least 1, got 0"),
-    # pipeline/launcher_checks.py's checks of DeepSpeed's launcher options
+    # pipeline/launch/command.py's checks of DeepSpeed's launcher options
     Case("launch", "--master_port", "0", "--master_port 0: not a TCP port"),
     Case("launch", "--master_port", "65536", "--master_port 65536: not a TCP port"),
     Case("launch", "--ssh_port", "0", "--ssh_port 0: not a TCP port"),

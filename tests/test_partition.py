@@ -1,4 +1,4 @@
-"""Pipeline stages cut by estimated compute (pipeline/partition.py)."""
+"""Pipeline stages cut by estimated compute (pipeline/parts/stage_cuts.py)."""
 
 import itertools
 
@@ -7,9 +7,9 @@ from deepspeed.runtime.utils import partition_balanced
 
 from fathom.model import ModelConfig
 from fathom.model.parts import model_parts
-from fathom.pipeline.partition import balanced_bounds, layer_costs, stage_bounds, stage_costs
-from fathom.pipeline.specs import layer_specs
-from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS
+from fathom.pipeline.parts.specs import layer_specs
+from fathom.pipeline.parts.stage_cuts import balanced_bounds, layer_costs, stage_bounds, stage_costs
+from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS
 
 
 def config(layers: int, dim: int, ffn: int, vocab: int, **kw) -> ModelConfig:

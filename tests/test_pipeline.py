@@ -20,8 +20,8 @@ from fathom.model.norms import ScheduleHook
 from fathom.model.search import SearchConfig, beam_search
 from fathom.model.trained import load_reference, model_config
 from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
-from fathom.pipeline.partition import stage_bounds
-from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, pipe_parts
+from fathom.pipeline.parts.stage_cuts import stage_bounds
+from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, pipe_parts
 from fathom.pipeline.train import profile_batch
 from tests.helpers import ROOT, built_once, launch
 from tests.workers.parity import SEARCH
@@ -173,7 +173,7 @@ def test_each_rank_builds_only_its_own_stage(parity_runs):
 def test_each_layer_runs_backward_once_per_micro_batch(parity_runs):
     """Stage 0 holds the encoder and the first decoder layer, so it sends the decoder state and
     encoder_out on; DeepSpeed's backward, one call per tensor, ran the encoder's backward twice per
-    micro-batch there (pipeline/deepspeed_internals.backward_in_one_call). Every Transformer-layer
+    micro-batch there (pipeline/engine/internals.backward_in_one_call). Every Transformer-layer
     parameter of both stages now accumulates exactly one gradient per micro-batch."""
     config, out, _ = parity_runs
     micro_batches = json.loads(config.read_text())["gradient_accumulation_steps"]

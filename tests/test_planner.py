@@ -152,7 +152,7 @@ def test_a_damaged_measured_record_is_one_line(tmp_path, capsys, record, message
 @pytest.mark.slow
 def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     """2 stages, ZeRO-1, activation checkpointing, fp32 on this CPU with train.cpu_heap=return: each rank's
-    peak resident memory above what it held before the model (pipeline/safety/memory.py) against the planner's
+    peak resident memory above what it held before the model (pipeline/reports/memory.py) against the planner's
     stage peak. 24L-24L: at 12L-12L (0.34 GB a stage) the planner's fixed allowance for what a CPU rank
     allocates whatever the model was itself 12-15% of the peak, and the test failed one run in three at
     15.2%; here the prediction was 5.2-5.9% high on both stages in two runs."""

@@ -32,7 +32,7 @@ from tests.helpers import ROOT, built_once, launch, launch_env, launcher_command
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "reshaped_state.py"
-# Dropout stays on: its masks depend on (seed, micro-batch, layer), not on a rank (pipeline/dropout_masks.py).
+# Dropout stays on: its masks depend on (seed, micro-batch, layer), not on a rank (pipeline/engine/recompute.py).
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "model.share_all_embeddings=true", "train.log_interval=1"]
 # (stages, processes, overrides): the global batch stays 32 pairs, 4 micro-batches of 8, on every shape.
 SHAPES = {

@@ -1,4 +1,4 @@
-"""What reseeding dropout at every layer costs (pipeline/dropout_masks.py): training steps timed with the reseed
+"""What reseeding dropout at every layer costs (pipeline/engine/recompute.py): training steps timed with the reseed
 and without it (dropout then draws from one stream a step), in alternating blocks on one engine, so that both
 see the same machine.
 
@@ -19,8 +19,8 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import check_number, exit_on_config_error
 from fathom.corpus.batches import MicroBatches
 from fathom.pipeline.config.run_config import resolve_run
-from fathom.pipeline.dropout_masks import DropoutMasks
-from fathom.pipeline.launched import init_distributed, launched_world
+from fathom.pipeline.engine.recompute import DropoutMasks
+from fathom.pipeline.launch.distributed import init_distributed, launched_world
 from fathom.pipeline.train import build_engine, data_position, train_step
 
 

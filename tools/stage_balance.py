@@ -1,4 +1,4 @@
-"""How evenly pipeline/partition.py's cut loads the stages, measured: each stage's forward and backward
+"""How evenly pipeline/parts/stage_cuts.py's cut loads the stages, measured: each stage's forward and backward
 timed alone in one process on the activations the stages before it produce (scripts/bench.py
 --stage-times). The slowest stage sets the pace of every micro-batch."""
 
@@ -18,8 +18,8 @@ from fathom.corpus.batches import MicroBatch
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import ModelConfig
 from fathom.model.parts import build_parts
-from fathom.pipeline.partition import stage_bounds
-from fathom.pipeline.stage_modules import pipe_parts
+from fathom.pipeline.parts.stage_cuts import stage_bounds
+from fathom.pipeline.parts.stage_modules import pipe_parts
 from fathom.tools.training_speed import time_steps
 
 
@@ -41,7 +41,7 @@ def built_layers(cfg: ModelConfig) -> list[tuple[nn.Module, Callable[[Any], Any]
 
 
 def stage_times(cfg: ModelConfig, stages: int, batch: MicroBatch, warmup: int, steps: int) -> list[StageTime]:
-    """Forward + backward time of each stage as pipeline/partition.py cuts the model, each stage timed
+    """Forward + backward time of each stage as pipeline/parts/stage_cuts.py cuts the model, each stage timed
     alone in this process on the activations the stages before it produce: what the pipeline's
     slowest stage costs every micro-batch, without the other stages competing for the cores."""
     modules, layers = zip(*built_layers(cfg), strict=True)

@@ -60,9 +60,9 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.norms import build_scheme
 from fathom.model.transformer import Transformer
 from fathom.pipeline.config.deepspeed_values import check_deepspeed
-from fathom.pipeline.cuda_graphs import graph_layers
-from fathom.pipeline.deepspeed_internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
-from fathom.pipeline.engine_patches import patch_training
+from fathom.pipeline.engine.cuda_graphs import graph_layers
+from fathom.pipeline.engine.internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
+from fathom.pipeline.engine.patches import patch_training
 from fathom.tools.training_speed import (
     ADAMW,
     Step,

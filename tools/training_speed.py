@@ -52,8 +52,8 @@ from fathom.model.norms import build_scheme
 from fathom.model.transformer import Transformer
 from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from fathom.pipeline.deepspeed_internals import clear_pipe_buffers
-from fathom.pipeline.launched import release_shm_buffer
+from fathom.pipeline.engine.internals import clear_pipe_buffers
+from fathom.pipeline.launch.distributed import release_shm_buffer
 from fathom.pipeline.train import build_engine
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 

@@ -41,7 +41,7 @@ from fathom.common.checkpoint_format import (
 )
 from fathom.common.errors import ConfigError
 from fathom.common.files import fsync_dir, unique_sibling
-from fathom.pipeline.deepspeed_internals import built_stage_bounds
+from fathom.pipeline.engine.internals import built_stage_bounds
 
 UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
 

@@ -61,8 +61,8 @@ from fathom.pipeline.config.deepspeed_values import precision, zero_optimization
 from fathom.pipeline.config.history import flat, read_back, shown
 from fathom.pipeline.config.resume_rules import deepspeed_rule, settings_with
 from fathom.pipeline.config.run_config import RunConfig
-from fathom.pipeline.deepspeed_internals import checkpoint_engine, set_checkpoint_engine, universal_loading
-from fathom.pipeline.launched import end_distributed
+from fathom.pipeline.engine.internals import checkpoint_engine, set_checkpoint_engine, universal_loading
+from fathom.pipeline.launch.distributed import end_distributed
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):

@@ -20,10 +20,10 @@ from fathom.common.sections import check_value
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
 from fathom.pipeline.config.deepspeed_sections import check_sections
-from fathom.pipeline.stage_modules import pipe_parts
+from fathom.pipeline.parts.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
-DEFAULT_PARTITION = "cost"  # pipeline/partition.py
+DEFAULT_PARTITION = "cost"  # pipeline/parts/stage_cuts.py
 
 
 def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = "") -> int | None:
@@ -137,7 +137,7 @@ def zero_optimization_stage(ds: dict[str, Any]) -> int:
 def gradients_all_reduced(data_parallel: int) -> bool:
     """Whether a step flattens the gradients and all-reduces them: only across data-parallel replicas. On
     one, at ZeRO-0 and ZeRO-1 alike, fathom skips DeepSpeed's all-reduce of the gradients with themselves
-    (pipeline/deepspeed_internals.py's set_self_reduction)."""
+    (pipeline/engine/internals.py's set_self_reduction)."""
     return data_parallel > 1
 
 

@@ -127,11 +127,11 @@ class TrainConfig:
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
     compile: bool = field(default=False, metadata=APPLIED)
     # Each Transformer layer replayed from CUDA graphs in training, a graph per input shape
-    # (pipeline/cuda_graphs.py): one launch per layer instead of a hundred-odd. CUDA only; needs activation
+    # (pipeline/engine/cuda_graphs.py): one launch per layer instead of a hundred-odd. CUDA only; needs activation
     # checkpointing (pipeline.activation_checkpoint_interval >= 1).
     cuda_graphs: bool = field(default=False, metadata=APPLIED)
     # Each pipeline instruction's time (forward, backward, sends and receives, ...) per step and rank to
-    # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/safety/time_breakdown.py).
+    # SAVE_DIR/time_breakdown.jsonl, and a line per rank at the end (pipeline/reports/time_breakdown.py).
     time_breakdown: bool = field(default=False, metadata=APPLIED)
     # On CPUs, what glibc does with freed tensors (common/heap.py): "keep" them in its heap for the next
     # step (faster), or "return" them to the system (a lower peak, the one the memory planner predicts);

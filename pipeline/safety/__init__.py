@@ -1,2 +1,2 @@
-"""What keeps a long run safe and observed: the hang watchdog, signals, non-finite losses, peak memory,
-the metrics log and where a step's time goes."""
+"""What keeps a long run safe: the hang watchdog, signals that stop it cleanly, and the guard against
+non-finite losses."""

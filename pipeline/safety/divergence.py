@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from fathom.model.model_config import ModelConfig
 from fathom.model.parts import module_names, saved_names
-from fathom.pipeline.deepspeed_internals import (
+from fathom.pipeline.engine.internals import (
     built_stage_bounds,
     gradient_norms,
     loss_scale,
@@ -40,7 +40,7 @@ from fathom.pipeline.deepspeed_internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from fathom.pipeline.launched import end_distributed
+from fathom.pipeline.launch.distributed import end_distributed
 
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
 

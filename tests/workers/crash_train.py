@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from fathom.pipeline.checkpoint import saving
-from fathom.pipeline.launched import run_launched
+from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import main
 
 

@@ -20,8 +20,8 @@ import torch
 from fathom.model.parts import module_names
 from fathom.pipeline import train as training
 from fathom.pipeline.config.run_config import resolve_run
-from fathom.pipeline.deepspeed_internals import stage_layers, stage_range
-from fathom.pipeline.launched import run_launched
+from fathom.pipeline.engine.internals import stage_layers, stage_range
+from fathom.pipeline.launch.distributed import run_launched
 
 build_engine = training.build_engine
 

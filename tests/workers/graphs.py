@@ -1,6 +1,6 @@
 """Launched by tests/test_cuda_graphs.py under `deepspeed --num_gpus 2`: scripts/train.py's main() with
 train.cuda_graphs on CPU ranks, where each replay runs the layer eagerly into fixed buffers as a graph
-writes its own (tests/workers/recorded.py): pipeline/cuda_graphs.py across stages,
+writes its own (tests/workers/recorded.py): pipeline/engine/cuda_graphs.py across stages,
 without a GPU.
 
 Usage: graphs.py [scripts/train.py arguments]
@@ -10,13 +10,14 @@ import sys
 
 from recorded import PARAMETERS, eager_record  # beside this file
 
-from fathom.pipeline import cuda_graphs, preflight
 from fathom.pipeline import train as training
-from fathom.pipeline.launched import run_launched
+from fathom.pipeline.engine import cuda_graphs
+from fathom.pipeline.launch import checks
+from fathom.pipeline.launch.distributed import run_launched
 
 cuda_graphs.recordable = lambda tensor: True
 cuda_graphs.record = eager_record
-preflight.check_cuda_graphs = lambda cfg: None  # it refuses a machine without CUDA
+checks.check_cuda_graphs = lambda cfg: None  # it refuses a machine without CUDA
 build_engine = training.build_engine
 
 

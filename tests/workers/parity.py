@@ -21,12 +21,12 @@ import torch.distributed as dist
 from fathom.common.run_layout import CONFIG_FILE
 from fathom.corpus.batches import MicroBatches
 from fathom.model.norms import ScheduleHook, build_scheme
-from fathom.pipeline import admin_profile
 from fathom.pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
 from fathom.pipeline.decode import translate
-from fathom.pipeline.deepspeed_internals import stage_range
-from fathom.pipeline.launched import init_distributed, run_launched
-from fathom.pipeline.stage_modules import DecoderLayerPipe, EncoderLayerPipe
+from fathom.pipeline.engine import admin_profile
+from fathom.pipeline.engine.internals import stage_range
+from fathom.pipeline.launch.distributed import init_distributed, run_launched
+from fathom.pipeline.parts.stage_modules import DecoderLayerPipe, EncoderLayerPipe
 from fathom.pipeline.train import build_engine, profile_batch, train_step
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4

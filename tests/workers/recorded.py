@@ -1,9 +1,9 @@
-"""pipeline/cuda_graphs.py's `record` on a CPU, for tests/test_cuda_graphs.py and tests/workers/graphs.py:
+"""pipeline/engine/cuda_graphs.py's `record` on a CPU, for tests/test_cuda_graphs.py and tests/workers/graphs.py:
 replays write the layer's results into fixed buffers, which the next replay overwrites, as a graph's do."""
 
 import torch
 
-from fathom.pipeline.cuda_graphs import Recording
+from fathom.pipeline.engine.cuda_graphs import Recording
 
 # data_ptr -> parameter: the layer's own parameters, which a replay differentiates to where the graphs
 # write the gradients of the stand-ins they were recorded with

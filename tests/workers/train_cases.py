@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from fathom.pipeline.config.run_config import resolve_run
-from fathom.pipeline.launched import run_launched
+from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
 
 

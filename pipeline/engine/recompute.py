@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fathom.corpus.batches import DataPosition
-from fathom.pipeline.deepspeed_internals import (
+from fathom.pipeline.engine.internals import (
     replace_stage_call,
     set_checkpoint_function,
     stage_layers,

@@ -15,7 +15,7 @@ What a replay relies on, and how it holds here:
   runs its backward before that layer replays again. Without checkpointing several micro-batches'
   saved activations would share one graph's buffers, so cuda_graphs requires it (check_cuda_graphs).
 - Dropout: the graph reads the CUDA generator's seed and offset when it is replayed, and fathom reseeds
-  that generator before every layer (pipeline/dropout_masks.py), so a replay is meant to draw the masks
+  that generator before every layer (pipeline/engine/recompute.py), so a replay is meant to draw the masks
   the eager layer draws (tests/test_gpu.py compares the losses); recording runs the layer a few times,
   and the generator's state is put back afterwards.
 - Values that change between steps must live in tensors: BranchNorm's alpha_t is moved into one
@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from fathom.common.errors import ConfigError
 from fathom.model.layers import TransformerLayer
 from fathom.model.norms import BranchScaled
-from fathom.pipeline.dropout_masks import device_generator
+from fathom.pipeline.engine.recompute import device_generator
 
 if TYPE_CHECKING:
     from fathom.pipeline.config.run_config import RunConfig

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from fathom.common.run_layout import TIME_BREAKDOWN_FILE
-from fathom.pipeline.deepspeed_internals import wrap_instructions
-from fathom.pipeline.safety.metrics import MetricsLog
+from fathom.pipeline.engine.internals import wrap_instructions
+from fathom.pipeline.reports.metrics import MetricsLog
 
 # The first steps of a run allocate buffers (and compile layers): left out of the summary when the run
 # has more steps than this.

@@ -1,4 +1,4 @@
-"""The pipeline model as one flat list of LayerSpecs: pipeline/stage_modules.py's parts in their pipe form.
+"""The pipeline model as one flat list of LayerSpecs: pipeline/parts/stage_modules.py's parts in their pipe form.
 
 A LayerSpec builds its module only on the rank whose stage holds it; a TiedLayerSpec shares one
 module between the stages that use it (the embedding tables the config shares) and DeepSpeed
@@ -10,7 +10,7 @@ from __future__ import annotations
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from fathom.model.model_config import ModelConfig
-from fathom.pipeline.stage_modules import PipePart, pipe_parts
+from fathom.pipeline.parts.stage_modules import PipePart, pipe_parts
 
 
 def layer_spec(part: PipePart) -> LayerSpec:

@@ -25,8 +25,7 @@ from deepspeed.launcher import runner
 
 from fathom.common.cli import versions
 from fathom.common.errors import ConfigError, exit_on_config_error
-from fathom.pipeline.preflight import check_run
-from fathom.pipeline.train import parse_args as parse_train_args
+from fathom.pipeline.launch.checks import check_run, parse_train_args
 
 # The runner's own pattern is r'^(\S+)\s+slots=(\d+)', which reads "slots=4x" as 4; trailing fields
 # (Open MPI's max_slots=N, a comment) stay allowed.
@@ -149,7 +148,7 @@ def launched_processes(args: argparse.Namespace) -> int:
     return sum(len(slots) for slots in active.values())
 
 
-def preflight(argv: list[str]) -> int:
+def check_launch(argv: list[str]) -> int:
     """Checks the launcher's arguments and the run they start; returns the world size."""
     args = runner.parse_args(argv)
     world_size = launched_processes(args)
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         print(versions())
         return
     with exit_on_config_error():
-        world_size = preflight(argv)
+        world_size = check_launch(argv)
     print(f"fathom: checked; launching {world_size} processes", flush=True)
     try:
         runner.main(argv)  # what the `deepspeed` command runs
@@ -172,5 +171,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
-if __name__ == "__main__":  # python -m fathom.pipeline.launcher_checks: fathom-launch by this interpreter
+if __name__ == "__main__":  # python -m fathom.pipeline.launch.command: fathom-launch by this interpreter
     main()

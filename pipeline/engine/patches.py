@@ -1,7 +1,7 @@
 """Everything fathom changes in DeepSpeed's pipeline engine, in the order it is applied.
 
 The engine is patched from outside, never subclassed (every DeepSpeed internal it touches is in
-pipeline/deepspeed_internals.py). Several patches wrap the same things, the engine's instructions and
+pipeline/engine/internals.py). Several patches wrap the same things, the engine's instructions and
 each layer's call, and the one applied last runs outermost, so the order is part of what a run does:
 
 1. `patch_engine`, as soon as the engine is built, before anything loads: the joined backward, receive
@@ -31,16 +31,16 @@ from fathom.corpus.batches import DataPosition
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.consolidated import write_recovery_scripts
-from fathom.pipeline.deepspeed_internals import (
+from fathom.pipeline.engine.internals import (
     backward_in_one_call,
     replace_recovery_scripts,
     set_gradient_scans,
     set_self_reduction,
     typed_receive_buffers,
 )
-from fathom.pipeline.dropout_masks import DropoutMasks
+from fathom.pipeline.engine.recompute import DropoutMasks
+from fathom.pipeline.reports.time_breakdown import TimeBreakdown
 from fathom.pipeline.safety.divergence import StabilityGuard
-from fathom.pipeline.safety.time_breakdown import TimeBreakdown
 
 
 def patch_engine(engine: deepspeed.PipelineEngine) -> None:

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError
 from fathom.common.outputs import check_makeable
 from fathom.common.run_layout import META_FILE, has_checkpoints
@@ -15,12 +16,12 @@ from fathom.corpus.dataset import PreparedData, check_vocab
 from fathom.model.layers import compiler_missing
 from fathom.model.model_config import ModelConfig
 from fathom.model.trained import check_init_from
-from fathom.pipeline import admin_profile
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.run_directory import check_not_in_use
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
-from fathom.pipeline.cuda_graphs import check_cuda_graphs
-from fathom.pipeline.launched import launched_world
+from fathom.pipeline.engine import admin_profile
+from fathom.pipeline.engine.cuda_graphs import check_cuda_graphs
+from fathom.pipeline.launch.distributed import launched_world
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
@@ -96,3 +97,15 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     if args.resume:
         saving.check_resume(save_dir, cfg, corpus, world_size)
     return cfg, corpus
+
+
+def parse_train_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    """The training command's flags (scripts/train.py), which every rank and scripts/launch.py read."""
+    parser = command_parser(description)
+    parser.add_argument("--config", required=True, help="experiment JSON (DeepSpeed keys + model/data/train)")
+    parser.add_argument(
+        "--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="e.g. model.encoder_layers=24"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.save_dir")
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the launcher
+    return parser.parse_args(argv)

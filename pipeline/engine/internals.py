@@ -44,7 +44,7 @@ def check_version(installed: str = deepspeed.__version__) -> None:
 check_version()
 
 
-# PipelineModule: fathom cuts the stages itself (pipeline/partition.py).
+# PipelineModule: fathom cuts the stages itself (pipeline/parts/stage_cuts.py).
 class ExternallyPartitioned(PipelineModule):
     """A PipelineModule whose stage bounds come from `bounds()`, a subclass's, instead of one of
     DeepSpeed's partition methods."""
@@ -83,7 +83,7 @@ def set_checkpoint_function(pipe: PipelineModule, func: Callable[..., Any]) -> N
 
 def built_stage_bounds(pipe: PipelineModule) -> list[int]:
     """The first layer of each stage, then the layer count, as a built pipeline holds them (what
-    pipeline/partition.py's stage_bounds computed from the config)."""
+    pipeline/parts/stage_cuts.py's stage_bounds computed from the config)."""
     return [int(bound) for bound in pipe.parts]
 
 

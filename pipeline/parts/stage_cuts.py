@@ -14,8 +14,8 @@ from __future__ import annotations
 import itertools
 
 from fathom.model.model_config import ModelConfig
-from fathom.pipeline.deepspeed_internals import ExternallyPartitioned
-from fathom.pipeline.stage_modules import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, pipe_parts
+from fathom.pipeline.engine.internals import ExternallyPartitioned
+from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, DecoderLayerPipe, EncoderLayerPipe, pipe_parts
 
 # Attention scores cost ~2 L d multiply-adds per token and attention; L is not known when the stages
 # are cut, so a typical sentence length stands in.

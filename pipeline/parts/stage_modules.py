@@ -12,7 +12,7 @@ only the last reads labels:
     (y, encoder_out, src_tokens)                          -> decoder layers (the last returns y alone)
     y                                                     -> [decoder.layer_norm,] output projection
 
-Nothing here imports DeepSpeed (pipeline/specs.py makes the LayerSpecs), so export, the memory planner
+Nothing here imports DeepSpeed (pipeline/parts/specs.py makes the LayerSpecs), so export, the memory planner
 and the stage benchmark build and run these forms in one process, exactly as the engine would. The
 class names are part of the interface: `pipeline.partition=type:REGEX` and activation checkpointing
 select layers by them.

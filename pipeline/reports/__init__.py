@@ -1,0 +1,1 @@
+"""What a run reports about itself as it trains: the metrics log, peak memory, and where a step's time goes."""

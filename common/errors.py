@@ -55,16 +55,27 @@ def closest(key: str, known: set[str] | frozenset[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else ""
 
 
-def check_number(option: str, value: float | None, least: float, most: float | None = None, what: str = "") -> None:
-    """A command-line number out of [least, most] fails in one line; None (an option left out) passes.
-    `what` follows the bound: a unit (" piece") or what the edge means (" (0: the whole split)")."""
+def check_number(
+    option: str,
+    value: float | None,
+    least: float,
+    most: float | None = None,
+    what: str = "",
+    below: float | None = None,
+) -> None:
+    """A number out of [least, most] (or [least, below)) fails in one line naming `option`; None (an option
+    left out) passes. `what` follows the bound: a unit (" piece") or what the edge means (" (0: the whole
+    split)"). least=-inf asks only for a finite number."""
     if value is None:
         return
     # NaN passes every comparison as false and infinity every lower bound: a float must be finite first
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{option}: must be a finite number, got {value}")
-    if value < least or (most is not None and value > most):
-        bound = f"at least {least}" if most is None else f"from {least} to {most}"
+    if value < least or (most is not None and value > most) or (below is not None and value >= below):
+        if below is not None:
+            bound = f"in [{least}, {below})"
+        else:
+            bound = f"at least {least}" if most is None else f"from {least} to {most}"
         raise ConfigError(f"{option}: must be {bound}{what}, got {value}")
 
 

@@ -3,7 +3,8 @@
 DeepSpeed silently ignores keys it does not know, so every section of ours (the model's, the run's, a
 study's) is checked here: an unknown key or a value of the wrong type is a one-line `ConfigError`
 naming the dotted key. A `Literal` type is a choice, checked here rather than by hand in each section.
-A field of a run's config declares what --resume does with a change to it (OnResume).
+A field declares in its metadata what --resume does with a change to it (OnResume) and, if it is a number,
+its bounds (`bounds`), which parse_section enforces with the dotted key it was given.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import types
 import typing
 from typing import Any, TypeVar
 
-from fathom.common.errors import ConfigError, unknown_key_error
+from fathom.common.errors import ConfigError, check_number, unknown_key_error
 
 T = TypeVar("T")
 
@@ -43,6 +44,41 @@ LOCATION = on_resume(OnResume.LOCATION)
 WEIGHTS = on_resume(OnResume.WEIGHTS)
 START_ONLY = on_resume(OnResume.START_ONLY)
 DATA_ORDER = on_resume(OnResume.DATA_ORDER)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """A number's allowed range, [least, most] or [least, below), and what its edge means in the error."""
+
+    least: float
+    most: float | None = None
+    below: float | None = None
+    what: str = ""
+
+    def check(self, key: str, value: float | list[float] | None) -> None:
+        """`value` (each item of a list) within the range, or a ConfigError naming `key`."""
+        for item_key, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            shown = key if item_key is None else f"{key}[{item_key}]"
+            check_number(shown, item, self.least, self.most, self.what, self.below)
+
+
+def bounds(least: float, most: float | None = None, *, below: float | None = None, what: str = "") -> dict:
+    """A numeric field's metadata declaring its range (of each item, for a list), e.g.
+    `field(default=0.1, metadata=APPLIED | bounds(0, below=1))`."""
+    return {"bounds": Bounds(least, most, below, what)}
+
+
+def check_field(setting: dataclasses.Field, value: Any, key: str) -> None:
+    """`value` of `setting` within the bounds its metadata declares (if any), or a ConfigError naming `key`."""
+    if (declared := setting.metadata.get("bounds")) is not None:
+        declared.check(key, value)
+
+
+def check_fields(section: Any, where: str) -> None:
+    """Every field of dataclass instance `section` (one built in Python, not parsed) within its bounds, named
+    `where.field` in the error."""
+    for setting in dataclasses.fields(section):
+        check_field(setting, getattr(section, setting.name), f"{where}.{setting.name}")
 
 
 def _type_name(tp: Any) -> str:
@@ -95,7 +131,8 @@ def check_value(value: Any, tp: Any, key: str) -> Any:
 
 
 def parse_section(cls: type[T], data: Any, where: str) -> T:
-    """Builds dataclass `cls` from a JSON object, rejecting unknown keys and wrong types."""
+    """Builds dataclass `cls` from a JSON object, rejecting unknown keys, wrong types and numbers out of the
+    bounds a field declares, each in one line naming the dotted key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected an object, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -104,6 +141,9 @@ def parse_section(cls: type[T], data: Any, where: str) -> T:
         if key not in names:
             raise unknown_key_error(f"{where}.{key}", names)
     values = {key: check_value(value, hints[key], f"{where}.{key}") for key, value in data.items()}
+    for setting in dataclasses.fields(cls):
+        if setting.name in values:
+            check_field(setting, values[setting.name], f"{where}.{setting.name}")
     return cls(**values)
 
 

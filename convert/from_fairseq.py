@@ -31,7 +31,7 @@ from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import CONFIG_FILE, LATEST
 from fathom.corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
 from fathom.model.model_config import ModelConfig
-from fathom.model.norms import model_section
+from fathom.model.model_section import model_section
 from fathom.model.parts import fairseq_key, model_parts
 
 TAG = "fairseq"

@@ -43,8 +43,9 @@ from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus, check_vocab
 from fathom.model.fold import folded
 from fathom.model.model_config import PAD, ModelConfig
-from fathom.model.norms import SCHEMES, ScheduleHook, build_scheme
+from fathom.model.norms import SCHEMES, build_scheme
 from fathom.model.parts import build_parts, fairseq_key
+from fathom.model.schedule import ScheduleHook
 from fathom.model.trained import missing_layer_files, model_config
 from fathom.pipeline.config.history import config_at
 from fathom.pipeline.config.run_config import TrainConfig

@@ -8,13 +8,14 @@ A corpus is anything with `__len__`, `pair(i) -> (src ids, tgt ids)` (without eo
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from fathom.common.errors import ConfigError
+from fathom.common.sections import bounds
 from fathom.model.model_config import EOS, NUM_SPECIAL, PAD
 
 MicroBatch = tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,17 +48,14 @@ def check_budget(lengths: np.ndarray, size: BatchSize) -> None:
 
 @dataclass
 class SyntheticConfig:
-    words: int = 16
-    sentences: int = 20000
-    valid_sentences: int = 500
-    min_len: int = 3
-    max_len: int = 6
-    seed: int = 1
+    words: int = field(default=16, metadata=bounds(1))
+    sentences: int = field(default=20000, metadata=bounds(1))
+    valid_sentences: int = field(default=500, metadata=bounds(0))
+    min_len: int = field(default=3, metadata=bounds(1))
+    max_len: int = field(default=6, metadata=bounds(1))
+    seed: int = field(default=1, metadata=bounds(0))
 
     def __post_init__(self) -> None:
-        for key, least in (("words", 1), ("sentences", 1), ("valid_sentences", 0), ("min_len", 1), ("seed", 0)):
-            if getattr(self, key) < least:
-                raise ConfigError(f"data.synthetic.{key}: must be at least {least}, got {getattr(self, key)}")
         if self.max_len < self.min_len:
             raise ConfigError(f"data.synthetic.max_len: {self.max_len} is below data.synthetic.min_len {self.min_len}")
 

@@ -7,7 +7,7 @@ layers, pipeline and trainer do not change.
 
     python scripts/list_schemes.py      # prints the registry as a table (docs/SCHEMES.md's)
 
-Why one file of ~450 lines: the registry is meant to be read, and compared, in one sitting. Each
+Why one file of ~500 lines: the registry is meant to be read, and compared, in one sitting. Each
 scheme is one class of 10-40 lines with its residual module and constants beside it; splitting them
 apart would scatter the comparison the file exists for.
 """
@@ -18,13 +18,13 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
 
 from fathom.common.errors import ConfigError
-from fathom.common.sections import APPLIED, START_ONLY, OnResume, parse_section, resume_rules
+from fathom.common.sections import APPLIED, START_ONLY, bounds, parse_section
 from fathom.model.model_config import ModelConfig
 
 Side = Literal["encoder", "decoder"]
@@ -147,52 +147,6 @@ SCHEMES: dict[str, type[NormScheme]] = {}
 def register(cls: type[NormScheme]) -> type[NormScheme]:
     SCHEMES[cls.name] = cls
     return cls
-
-
-def parse_model(data: Any, where: str = "model") -> ModelConfig:
-    """The `model` section: ModelConfig's keys, and under a registered scheme's name that scheme's
-    options (`model.<scheme>.<option>`). The scheme and the options of every scheme the section names are
-    checked now, before any process trains."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected an object, got {data!r}")
-    fields = {k: v for k, v in data.items() if k not in SCHEMES}
-    schemes = {k: v for k, v in data.items() if k in SCHEMES}
-    cfg = parse_section(ModelConfig, fields, where)
-    cfg.schemes = {**cfg.schemes, **schemes}
-    build_scheme(cfg)
-    for name in schemes:
-        SCHEMES[name](cfg)
-    return cfg
-
-
-def model_section(cfg: ModelConfig) -> dict[str, Any]:
-    """The `model` section as a config file holds it, what parse_model reads back: ModelConfig's keys, and
-    each scheme's options under the scheme's name."""
-    section = dataclasses.asdict(cfg)
-    section.update(section.pop("schemes"))
-    return section
-
-
-def scheme_option_rules() -> dict[str, OnResume]:
-    """What --resume does with a change to each option of every registered scheme, by dotted key
-    (model.<scheme>.<option>), as its Options field declares it."""
-    return {
-        key: rule
-        for name, scheme in SCHEMES.items()
-        for key, rule in resume_rules(scheme.Options, f"model.{name}").items()
-    }
-
-
-def scheme_options(cfg: ModelConfig) -> dict[str, Any]:
-    """Every registered scheme's options as `cfg` sets them, its defaults where it does not, by dotted key:
-    an option left out and one written with its default value are the same setting."""
-    return {
-        f"model.{name}.{key}": value
-        for name, scheme in SCHEMES.items()
-        for key, value in dataclasses.asdict(
-            parse_section(scheme.Options, cfg.schemes.get(name, {}), f"model.{name}")
-        ).items()
-    }
 
 
 def build_scheme(cfg: ModelConfig) -> NormScheme:
@@ -472,13 +426,6 @@ def branchnorm_alpha(step: int, T: int, growth: str = "linear") -> float:
     return min(1.0, GROWTH[growth](min(step, T) / T))
 
 
-@runtime_checkable
-class StepScheduled(Protocol):
-    """A module whose behaviour depends on the global optimizer step (moved by a step hook)."""
-
-    def set_step(self, step: int) -> None: ...
-
-
 class BranchScaled(PostNorm):
     """x_{l+1} = LN(x_l + alpha_t * F(x_l)); the step hook moves alpha_t."""
 
@@ -514,15 +461,10 @@ class BranchNorm(NormScheme):
 
     @dataclass
     class Options:
-        T: int = dataclasses.field(default=4000, metadata=APPLIED)
+        T: int = dataclasses.field(default=4000, metadata=APPLIED | bounds(1))
         growth: Literal["linear", "exp", "sigmoid"] = dataclasses.field(default="linear", metadata=APPLIED)
         # Sec. 4.1: "We initialize model parameters following DeepNorm".
         init: Literal["deepnorm", "fairseq"] = dataclasses.field(default="deepnorm", metadata=START_ONLY)
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        if self.options.T < 1:
-            raise ConfigError(f"model.branchnorm.T: must be at least 1, got {self.options.T}")
 
     def alpha(self, step: int) -> float:
         return branchnorm_alpha(step, self.options.T, self.options.growth)
@@ -537,14 +479,3 @@ class BranchNorm(NormScheme):
 
     def step_metrics(self, step: int) -> dict[str, float]:
         return {"alpha": self.alpha(step)}
-
-
-class ScheduleHook:
-    """Moves every StepScheduled module of this stage (e.g. BranchNorm's alpha_t) to the step."""
-
-    def __init__(self, module: nn.Module):
-        self.scheduled = [m for m in module.modules() if isinstance(m, StepScheduled)]
-
-    def __call__(self, step: int) -> None:
-        for module in self.scheduled:
-            module.set_step(step)

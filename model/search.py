@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from fathom.common.errors import ConfigError
+from fathom.common.sections import bounds
 from fathom.model.cache import DecoderCache, sentences_of
 from fathom.model.model_config import EOS, PAD
 from fathom.model.transformer import Transformer
@@ -36,26 +36,18 @@ class SearchConfig:
     """How every decoder of fathom searches (generate.py, translate.py, train.valid_bleu, the depth study's
     BLEU): one set of settings with one set of defaults, checked in one place. Each field is also a
     command-line flag of the decoding commands (translation/translate.py's add_search_args: --max-len-a
-    for max_len_a, typed by the default, with the field's metadata "help") and a train.valid_bleu key."""
+    for max_len_a, typed by the default, with the field's metadata "help") and a train.valid_bleu key. Each
+    field's bounds are in its metadata, checked wherever the settings are read (common.sections)."""
 
-    beam: int = 4
-    lenpen: float = field(default=1.0, metadata={"help": "fairseq's length penalty (scores / len**lenpen)"})
+    beam: int = field(default=4, metadata=bounds(1))
+    lenpen: float = field(
+        default=1.0, metadata={"help": "fairseq's length penalty (scores / len**lenpen)"} | bounds(-math.inf)
+    )
     # Output length limit a x source length + b (fairseq's --eval-bleu-args example): an undertrained
     # model that never ends a sentence stops there instead of at the model's max_positions.
-    max_len_a: float = field(default=1.2, metadata={"help": "output length limit: a x source length + b"})
-    max_len_b: int = 10
-    batch_size: int = field(default=64, metadata={"help": "sentences per batch"})
-
-    def check(self, name: Callable[[str], str]) -> None:
-        """Fails in one line on a setting no search can use; `name` spells a setting as the user gave it
-        (--max-len-a, train.valid_bleu.max_len_a)."""
-        for key in ("beam", "batch_size", "max_len_b"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{name(key)}: must be at least 1, got {getattr(self, key)}")
-        if not 0 <= self.max_len_a < math.inf:  # also refuses NaN
-            raise ConfigError(f"{name('max_len_a')}: must be a finite number >= 0, got {self.max_len_a}")
-        if not math.isfinite(self.lenpen):
-            raise ConfigError(f"{name('lenpen')}: must be a finite number, got {self.lenpen}")
+    max_len_a: float = field(default=1.2, metadata={"help": "output length limit: a x source length + b"} | bounds(0))
+    max_len_b: int = field(default=10, metadata=bounds(1))
+    batch_size: int = field(default=64, metadata={"help": "sentences per batch"} | bounds(1))
 
 
 @dataclass

@@ -14,8 +14,9 @@ from fathom.common.errors import ConfigError
 from fathom.common.run_layout import CONFIG_FILE, checkpoint_dir
 from fathom.common.sections import OnResume, resume_rule
 from fathom.model.model_config import ModelConfig
-from fathom.model.norms import ScheduleHook, parse_model
+from fathom.model.model_section import parse_model
 from fathom.model.parts import fairseq_key, model_parts, saved_names
+from fathom.model.schedule import ScheduleHook
 from fathom.model.transformer import Transformer
 
 

@@ -26,7 +26,8 @@ from fathom.corpus.batches import DataPosition, MicroBatch, MicroBatches, Parall
 from fathom.corpus.dataset import PreparedData, write_dictionaries
 from fathom.model.layers import compile_layers
 from fathom.model.loss import label_smoothed_cross_entropy
-from fathom.model.norms import ScheduleHook, build_scheme
+from fathom.model.norms import build_scheme
+from fathom.model.schedule import ScheduleHook
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.data_position import data_order, position_record
 from fathom.pipeline.checkpoint.run_directory import RunDirectory

@@ -22,7 +22,7 @@ from typing import Any
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
 from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
-from fathom.common.sections import parse_section
+from fathom.common.sections import bounds, parse_section
 from fathom.corpus.dataset import read_meta
 from fathom.model.search import SearchConfig
 from fathom.pipeline.config import deepspeed_values
@@ -45,7 +45,6 @@ class Axis:
     tag: str
     read: Callable[[RunConfig], float]
     sets: Callable[[float, RunConfig], list[str]]
-    minimum: float
 
 
 def scheduler_params(cfg: RunConfig) -> dict[str, Any]:
@@ -86,13 +85,14 @@ def set_updates(steps: float, cfg: RunConfig) -> list[str]:
 
 
 AXES = (
-    Axis("lrs", "lr", lambda cfg: cfg.deepspeed["optimizer"]["params"]["lr"], set_lr, minimum=0.0),
-    Axis("warmups", "warmup", warmup_steps, set_warmup, minimum=0),
-    Axis("clips", "clip", lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0), set_clip, minimum=0.0),
-    Axis("accumulations", "acc", accumulation, set_accumulation, minimum=1),
-    Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates, minimum=1),
+    Axis("lrs", "lr", lambda cfg: cfg.deepspeed["optimizer"]["params"]["lr"], set_lr),
+    Axis("warmups", "warmup", warmup_steps, set_warmup),
+    Axis("clips", "clip", lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0), set_clip),
+    Axis("accumulations", "acc", accumulation, set_accumulation),
+    Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates),
 )
 AXIS = {axis.key: axis for axis in AXES}
+DEPTHS = bounds(1, what=" (layers per side)")
 
 
 @dataclass
@@ -100,13 +100,17 @@ class Grid:
     """Each scheme at each depth and each combination of the axes given (None: the base config's)."""
 
     schemes: list[str]
-    depths: list[int]
+    depths: list[int] = field(metadata=DEPTHS)
     title: str = ""  # the report's heading for the grid's table
-    lrs: list[float] | None = None
-    warmups: list[int] | None = None  # steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
-    clips: list[float] | None = None  # gradient_clipping; 0 means none
-    accumulations: list[int] | None = None  # gradient_accumulation_steps: tokens per update
-    updates: list[int] | None = None  # train.max_steps (and a decaying schedule's end)
+    lrs: list[float] | None = field(default=None, metadata=bounds(0))
+    # steps; 0 means none (DeepSpeed's shortest warmup, 2 steps)
+    warmups: list[int] | None = field(default=None, metadata=bounds(0))
+    clips: list[float] | None = field(default=None, metadata=bounds(0))  # gradient_clipping; 0 means none
+    # gradient_accumulation_steps: tokens per update
+    accumulations: list[int] | None = field(default=None, metadata=bounds(1))
+    updates: list[int] | None = field(
+        default=None, metadata=bounds(1)
+    )  # train.max_steps (and a decaying schedule's end)
     # name -> overrides, e.g. {"T48": ["model.branchnorm.T=48"]}; no overrides names the base config's column
     variants: dict[str, list[str]] | None = None
 
@@ -114,10 +118,6 @@ class Grid:
         for key in ("schemes", "depths", *(axis.key for axis in AXES), "variants"):
             if getattr(self, key) is not None and not getattr(self, key):
                 raise ConfigError(f"{where}.{key}: empty; give at least one, or remove the key")
-        for axis in AXES:
-            values = getattr(self, axis.key) or []
-            if values and min(values) < axis.minimum:
-                raise ConfigError(f"{where}.{axis.key}: {min(values)}; must be at least {axis.minimum}")
         for name, changes in (self.variants or {}).items():
             if not VARIANT_NAME.fullmatch(name):
                 raise ConfigError(f"{where}.variants: {name!r}; name variants with letters, digits, '_' and '.'")
@@ -137,7 +137,7 @@ class StudySpec:
     config: str
     out: str  # the study directory
     schemes: list[str]
-    depths: list[int]  # encoder = decoder layers
+    depths: list[int] = field(metadata=DEPTHS)  # encoder = decoder layers
     overrides: list[str] = field(default_factory=list)  # for every cell, as --override takes them
     grids: list[Grid] = field(default_factory=list)
     # How trained cells' validation BLEU is decoded (generate.py's search)
@@ -148,12 +148,8 @@ class StudySpec:
         if not self.out.strip():
             raise ConfigError("study.out: empty; name the study's directory, e.g. studies/multi30k")
         check_no_tilde(self.out, "study.out")
-        self.search.check(lambda key: f"study.search.{key}")
         if not self.schemes or not self.depths:
             raise ConfigError("study: give at least one scheme and one depth")
-        for depth in [*self.depths, *(d for grid in self.grids for d in grid.depths)]:
-            if depth < 1:
-                raise ConfigError(f"study: depth {depth}; depths are layers per side, at least 1")
         variants: dict[str, list[str]] = {}
         for number, grid in enumerate(self.grids):
             grid.check(f"study.grids[{number}]")

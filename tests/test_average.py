@@ -14,7 +14,8 @@ from fathom.common.checkpoint_format import MANIFEST, global_step, layer_file, l
 from fathom.common.run_layout import BEST, LATEST, LOCK_FILE, best_tag, latest_tag
 from fathom.convert.average import average_checkpoints, main
 from fathom.model import Transformer
-from fathom.model.norms import BranchScaled, parse_model
+from fathom.model.model_section import parse_model
+from fathom.model.norms import BranchScaled
 from fathom.model.parts import saved_names
 from fathom.model.trained import load_reference
 from tests.helpers import contents, snapshot

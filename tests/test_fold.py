@@ -10,7 +10,7 @@ from fathom.model import SCHEMES, ModelConfig
 from fathom.model.embedding import Embedding, sinusoidal_table
 from fathom.model.fold import fold_model
 from fathom.model.model_config import PAD
-from fathom.model.norms import ScheduleHook
+from fathom.model.schedule import ScheduleHook
 from fathom.model.transformer import Transformer
 
 EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]

@@ -12,14 +12,8 @@ from fathom.common.errors import ConfigError
 from fathom.common.sections import APPLIED, START_ONLY, OnResume
 from fathom.model import SCHEMES, ModelConfig, NormScheme
 from fathom.model.layers import SUBLAYERS, DecoderLayer, EncoderLayer
-from fathom.model.norms import (
-    ScheduleHook,
-    branchnorm_alpha,
-    build_scheme,
-    deepnorm_constants,
-    sub_ln_gain,
-    t_fixup_scale,
-)
+from fathom.model.norms import branchnorm_alpha, build_scheme, deepnorm_constants, sub_ln_gain, t_fixup_scale
+from fathom.model.schedule import ScheduleHook
 from fathom.model.transformer import Transformer
 from fathom.pipeline.config.resume_rules import settings_with
 

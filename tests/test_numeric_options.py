@@ -81,8 +81,8 @@ SEARCH = [  # the search options every decoding command shares (translation/tran
     ("--beam", "0", "--beam: must be at least 1, got 0"),
     ("--lenpen", "nan", f"--lenpen: {FINITE} nan"),
     ("--lenpen", "inf", f"--lenpen: {FINITE} inf"),
-    ("--max-len-a", "-1", "--max-len-a: must be a finite number >= 0, got -1.0"),
-    ("--max-len-a", "nan", "--max-len-a: must be a finite number >= 0, got nan"),
+    ("--max-len-a", "-1", "--max-len-a: must be at least 0, got -1.0"),
+    ("--max-len-a", "nan", "--max-len-a: must be a finite number, got nan"),
     ("--max-len-b", "0", "--max-len-b: must be at least 1, got 0"),
     ("--batch-size", "0", "--batch-size: must be at least 1, got 0"),
 ]

@@ -16,7 +16,7 @@ from fathom.model import SCHEMES
 from fathom.model.admin import admin_residuals, apply_omegas, omegas_from, profile
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
-from fathom.model.norms import ScheduleHook
+from fathom.model.schedule import ScheduleHook
 from fathom.model.search import SearchConfig, beam_search
 from fathom.model.trained import load_reference, model_config
 from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run

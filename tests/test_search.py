@@ -12,7 +12,7 @@ from fathom.model import SCHEMES, ModelConfig, Transformer
 from fathom.model.full_recompute_search import full_recompute_search
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import EOS
-from fathom.model.norms import ScheduleHook
+from fathom.model.schedule import ScheduleHook
 from fathom.model.search import ModelDecoder, SearchConfig, beam_search, search
 
 

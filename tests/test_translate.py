@@ -149,7 +149,7 @@ def refused(capsys, monkeypatch, run, data, stdin: bytes, *args) -> str:
         (b"Ein Hund.\n", ["--beam", "0"], "--beam: must be at least 1, got 0"),
         (b"Ein Hund.\n", ["--batch-size", "0"], "--batch-size: must be at least 1"),
         (b"Ein Hund.\n", ["--max-len-b", "0"], "--max-len-b: must be at least 1"),
-        (b"Ein Hund.\n", ["--max-len-a=-1"], "--max-len-a: must be a finite number >= 0, got -1.0"),
+        (b"Ein Hund.\n", ["--max-len-a=-1"], "--max-len-a: must be at least 0, got -1.0"),
         (b"Ein Hund.\n", ["--lenpen", "inf"], "--lenpen: must be a finite number, got inf"),
         (b"Ein Hund.\n", ["--tag", "global_step7"], "no checkpoint tagged 'global_step7'"),
         (b"Ein Hund.\n", ["--input", "/nonexistent.de"], "--input /nonexistent.de: no such file"),
@@ -204,7 +204,7 @@ def test_unicode_line_separators_stay_inside_their_line(capsys, monkeypatch, tmp
 # Each used to decode the whole split and then fail with a traceback (or, for NaN, score nonsense).
 SPLIT_ARGS_REFUSED = [
     (generate_main, ["--lenpen", "nan"], "--lenpen: must be a finite number, got nan"),
-    (generate_main, ["--max-len-a", "inf"], "--max-len-a: must be a finite number >= 0, got inf"),
+    (generate_main, ["--max-len-a", "inf"], "--max-len-a: must be a finite number, got inf"),
     (generate_main, ["--output", "/"], "--output /: is a directory; name a file"),
     (generate_main, ["--output", "/proc/fathom.en"], "--output /proc/fathom.en: cannot write in /proc"),
     (generate_main, ["--output", "/no-dir/out.txt"], "/no-dir is not a directory; create it or choose another"),

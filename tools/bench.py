@@ -38,7 +38,7 @@ from fathom.common.machine import native_bf16_cpu
 from fathom.common.outputs import check_writable_file
 from fathom.common.tables import aligned
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
-from fathom.model.norms import model_section
+from fathom.model.model_section import model_section
 from fathom.pipeline.config.run_config import TrainConfig
 from fathom.tools import step_profile
 from fathom.tools.stage_balance import StageTime, stage_times

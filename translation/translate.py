@@ -30,6 +30,7 @@ from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import write_atomic
 from fathom.common.heap import keep_freed_blocks
 from fathom.common.outputs import check_writable_file
+from fathom.common.sections import check_field, check_fields
 from fathom.corpus.batches import length_batches, with_eos
 from fathom.corpus.dataset import PreparedData, check_vocab
 from fathom.corpus.text import blank, decode_lines, read_lines
@@ -67,12 +68,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=DTYPES, default="fp32", help="of the weights (log-probs in fp32)")
 
 
-def search_config(args: argparse.Namespace, name: Callable[[str], str] = option_name) -> SearchConfig:
-    """The search settings of a command line, checked; `name` spells a setting in the errors, as the
-    caller's user gave it."""
-    cfg = SearchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SearchConfig)})
-    cfg.check(name)
-    return cfg
+def search_config(args: argparse.Namespace) -> SearchConfig:
+    """The search settings of a command line, each checked against its field's bounds under its flag."""
+    for setting in dataclasses.fields(SearchConfig):
+        check_field(setting, getattr(args, setting.name), option_name(setting.name))
+    return SearchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SearchConfig)})
 
 
 def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, torch.dtype]:
@@ -119,7 +119,7 @@ class Translator:
         prepared data directory `data` it was trained on. Fails in one ConfigError line where the search
         settings, the device, the data or the checkpoint cannot be used."""
         search = SearchConfig() if search is None else search
-        search.check(lambda name: name)
+        check_fields(search, "search")
         where, dtype = device_and_dtype(device, precision)
         prepared = PreparedData(data)
         model = load_reference(run_dir, tag).to(where, dtype)

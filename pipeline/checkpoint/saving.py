@@ -46,7 +46,7 @@ from fathom.common.run_layout import BEST, CONFIG_FILE, LATEST, best_tag, latest
 from fathom.common.sections import OnResume
 from fathom.corpus.batches import ParallelCorpus
 from fathom.corpus.dataset import PreparedData, check_vocab
-from fathom.model.norms import scheme_options
+from fathom.model.model_section import scheme_options
 from fathom.model.trained import check_same_model, model_config
 from fathom.pipeline.checkpoint.data_position import resume_position, saved_position
 from fathom.pipeline.checkpoint.reshape import (

@@ -12,7 +12,7 @@ from typing import Any
 
 from fathom.common.sections import OnResume, resume_rules
 from fathom.model.model_config import ModelConfig
-from fathom.model.norms import scheme_option_rules
+from fathom.model.model_section import scheme_option_rules
 from fathom.pipeline.config.run_config import DataConfig, TrainConfig
 
 # DeepSpeed's keys apply from the first resumed step (the engine is built from the config at every launch;

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fathom.common.errors import ConfigError
-from fathom.common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, parse_section
+from fathom.common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, bounds, parse_section
 from fathom.corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from fathom.model.model_config import ModelConfig
-from fathom.model.norms import model_section, parse_model
+from fathom.model.model_section import model_section, parse_model
 from fathom.model.search import SearchConfig
 from fathom.pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
 
@@ -39,17 +39,13 @@ class DataConfig:
     # validation and test come from the first. None trains on the built-in synthetic task.
     path: str | list[str] | None = field(default=None, metadata=DATA_ORDER)
     # Token budget per micro-batch (pairs grouped by length); None: train_micro_batch_size_per_gpu pairs.
-    max_tokens: int | None = field(default=None, metadata=DATA_ORDER)
+    max_tokens: int | None = field(default=None, metadata=DATA_ORDER | bounds(1))
     # Each side of a micro-batch padded to a multiple of this many tokens (fairseq's
     # --required-seq-len-multiple): fewer shapes for train.cuda_graphs to record, at the cost of pad tokens.
-    pad_to_multiple: int = field(default=1, metadata=APPLIED)
+    pad_to_multiple: int = field(default=1, metadata=APPLIED | bounds(1, what=" (1: no padding)"))
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig, metadata=DATA_ORDER)
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"data.max_tokens: must be positive, got {self.max_tokens}")
-        if self.pad_to_multiple < 1:
-            raise ConfigError(f"data.pad_to_multiple: must be at least 1 (1: no padding), got {self.pad_to_multiple}")
         if self.path == []:
             raise ConfigError("data.path: an empty list; give a prepared data directory, or a list of shards")
         if isinstance(self.path, list) and len(set(self.path)) < len(self.path):
@@ -75,42 +71,40 @@ class ValidBleu(SearchConfig):
     """BLEU on the validation set at every validation (fairseq's --eval-bleu), decoded through the
     pipeline's stages with the incremental beam search (pipeline/decode.py)."""
 
-    sentences: int = 0  # the first N validation sentences (0: all of them)
-
-    def __post_init__(self) -> None:
-        if self.sentences < 0:
-            raise ConfigError(f"train.valid_bleu.sentences: must be at least 0, got {self.sentences}")
-        self.check(lambda key: f"train.valid_bleu.{key}")
+    sentences: int = field(default=0, metadata=bounds(0, what=" (0: all of them)"))  # the first N validation sentences
 
 
 @dataclass
 class TrainConfig:
     """How the run trains. Each field declares what --resume does with a change to it (OnResume)."""
 
-    max_steps: int = field(default=1000, metadata=APPLIED)
+    max_steps: int = field(default=1000, metadata=APPLIED | bounds(1))
     save_dir: str = field(default="checkpoints/run", metadata=LOCATION)
-    save_interval: int = field(default=500, metadata=APPLIED)
-    seed: int = field(default=1, metadata=DATA_ORDER)  # it also seeds the dropout masks
-    log_interval: int = field(default=10, metadata=APPLIED)
+    save_interval: int = field(default=500, metadata=APPLIED | bounds(1))
+    # It also seeds the dropout masks; torch and numpy take it (numpy's seeds are below 2^32, a rank's 2^31).
+    seed: int = field(default=1, metadata=DATA_ORDER | bounds(0, below=2**31))
+    log_interval: int = field(default=10, metadata=APPLIED | bounds(1))
     # Validation loss every this many steps (0: never); the best checkpoint is kept under tag "best".
-    valid_interval: int = field(default=0, metadata=APPLIED)
+    valid_interval: int = field(default=0, metadata=APPLIED | bounds(0, what=" (0: never)"))
     # BLEU on the validation set at every validation, e.g. {"beam": 4, "lenpen": 0.6} (null: off).
     valid_bleu: ValidBleu | None = field(default=None, metadata=APPLIED)
     # What "best" means: the lowest validation loss, or the highest validation BLEU.
     best_metric: Literal["loss", "bleu"] = field(default="loss", metadata=APPLIED)
-    label_smoothing: float = field(default=0.1, metadata=APPLIED)
+    label_smoothing: float = field(default=0.1, metadata=APPLIED | bounds(0, below=1))
     # Start from these weights (a run's save_dir, or scripts/convert_from_fairseq.py's output; its
     # latest checkpoint) instead of a fresh initialization; the model section must describe the same model.
     init_from: str | None = field(default=None, metadata=START_ONLY)
     # The schedule step (BranchNorm's t) train.init_from's weights start at; null: the step they were
     # saved at (0 for weights converted from fairseq), so alpha_t goes on from where it was rather than
     # cutting every branch of trained weights at t = 0.
-    init_step: int | None = field(default=None, metadata=START_ONLY)
+    init_step: int | None = field(default=None, metadata=START_ONLY | bounds(0))
     # Seconds a rank may go without progress (a step, a validation pass, a checkpoint save or load)
     # before the job ends naming the rank to blame (pipeline/safety/watchdog.py). Half an hour, torch's default
     # for gloo: far above any step, validation pass or checkpoint save we expect of a 1000-layer model on
     # a shared filesystem, and all a hung job then wastes. The backend waits 30 s longer.
-    hang_timeout: float = field(default=1800.0, metadata=APPLIED)
+    # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's scheduling
+    # delays or filesystem lag for a stopped rank.
+    hang_timeout: float = field(default=1800.0, metadata=APPLIED | bounds(10, what=" seconds"))
     # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
     # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
     # (pipeline/safety/divergence.py).
@@ -122,7 +116,7 @@ class TrainConfig:
     # (pipeline/checkpoint/data_position.py).
     on_data_change: Literal["refuse", "next_epoch"] = field(default="refuse", metadata=APPLIED)
     # Per-layer gradient norms to SAVE_DIR/grad_norms.jsonl every this many steps (0: never).
-    grad_norm_interval: int = field(default=0, metadata=APPLIED)
+    grad_norm_interval: int = field(default=0, metadata=APPLIED | bounds(0, what=" (0: never)"))
     # Each Transformer layer's forward compiled with torch.compile (inductor; model.layers.compile_layers).
     # Off by default: on the CPUs measured it was slower than eager (docs/BENCHMARKS.md).
     compile: bool = field(default=False, metadata=APPLIED)
@@ -143,26 +137,14 @@ class TrainConfig:
             raise ConfigError("train.save_dir: empty; name the directory for checkpoints, e.g. checkpoints/run")
         check_no_tilde(self.save_dir, "train.save_dir")
         check_no_tilde(self.init_from, "train.init_from")
-        if not 0 <= self.seed < 2**31:
-            raise ConfigError(f"train.seed: must be in [0, 2^31), got {self.seed}")
-        for key in ("max_steps", "save_interval", "log_interval", "valid_interval", "grad_norm_interval"):
-            least = 1 if key in ("max_steps", "save_interval", "log_interval") else 0
-            if getattr(self, key) < least:
-                raise ConfigError(f"train.{key}: must be at least {least}, got {getattr(self, key)}")
-        # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's
-        # scheduling delays or filesystem lag for a stopped rank.
-        if not self.hang_timeout >= 10:  # also refuses NaN
-            raise ConfigError(f"train.hang_timeout: must be at least 10 seconds, got {self.hang_timeout:g}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"train.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
         if self.best_metric == "bleu" and self.valid_bleu is None:
             raise ConfigError('train.best_metric: bleu needs train.valid_bleu; set it, e.g. {"beam": 4}')
         if self.valid_bleu is not None and self.valid_interval == 0:
             raise ConfigError("train.valid_bleu: BLEU is computed at validations; set train.valid_interval")
-        if self.init_step is not None and (self.init_from is None or self.init_step < 0):
+        if self.init_step is not None and self.init_from is None:
             raise ConfigError(
                 f"train.init_step: {self.init_step}; it is the step train.init_from's weights start at: set "
-                "train.init_from, and a step >= 0"
+                "train.init_from"
             )
 
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from fathom.common.run_layout import CONFIG_FILE
 from fathom.corpus.batches import MicroBatches
-from fathom.model.norms import ScheduleHook, build_scheme
+from fathom.model.norms import build_scheme
+from fathom.model.schedule import ScheduleHook
 from fathom.pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
 from fathom.pipeline.decode import translate
 from fathom.pipeline.engine import admin_profile

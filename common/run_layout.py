@@ -17,6 +17,9 @@ from fathom.common.errors import ConfigError
 # What a run keeps in SAVE_DIR beside its checkpoint tags, named here for every module that writes one.
 CONFIG_FILE = "config.json"  # the config of the latest launch
 CONFIG_HISTORY = "config_history.jsonl"  # each stretch's config (pipeline/config/history.py)
+# The DeepSpeed config the engine received at the latest launch: config.json's DeepSpeed keys with fathom's
+# engine defaults (pipeline/config/engine_defaults.py) where it leaves them out.
+DEEPSPEED_CONFIG_FILE = "deepspeed_config.json"
 LATEST = "latest"  # DeepSpeed's name for the file naming the newest checkpoint's tag
 BEST = "best"  # the link to the checkpoint that scored best on validation
 # The run's dictionaries by content: a data directory with the same vocabulary sizes but other
@@ -32,10 +35,17 @@ LOCK_FILE = ".fathom.lock"  # held by the run training in SAVE_DIR (pipeline/che
 PROFILE_FILE = "admin_profile.json"  # Admin's omegas, profiled at the run's start (pipeline/engine/admin_profile.py)
 # DeepSpeed copies its recovery scripts into SAVE_DIR with each checkpoint of a ZeRO or bf16 run.
 DEEPSPEED_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+# What scripts/average_checkpoints.py writes into the tag it makes, and what scripts/convert_from_fairseq.py
+# writes into the run directory it makes: each marks a directory that command's --force may replace.
+AVERAGE_SUMMARY = "fathom_average.json"
+IMPORT_SUMMARY = "fathom_import.json"
+UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form (pipeline/checkpoint/reshape.py)
 # Names tools write into a run by default: generate.py's hypotheses, plot_metrics.py's image.
-TOOL_OUTPUTS = ("generate-*.txt", "loss.png")
-RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, LATEST, BEST, DICTIONARIES_FILE, METRICS_FILE, GRAD_NORMS_FILE,
-               TRANSLATIONS, TIME_BREAKDOWN_FILE, MEMORY_FILE, HEARTBEAT_FILE.format(rank="*"), LOCK_FILE,
+LOSS_PLOT = "loss.png"
+TOOL_OUTPUTS = ("generate-*.txt", LOSS_PLOT)
+RUN_RECORDS = (CONFIG_FILE, CONFIG_HISTORY, DEEPSPEED_CONFIG_FILE, LATEST, BEST, DICTIONARIES_FILE, METRICS_FILE,
+               GRAD_NORMS_FILE, TRANSLATIONS, TIME_BREAKDOWN_FILE, MEMORY_FILE, HEARTBEAT_FILE.format(rank="*"),
+               LOCK_FILE,
                PROFILE_FILE, *DEEPSPEED_SCRIPTS, *TOOL_OUTPUTS)  # fmt: skip
 
 STEP_TAG = re.compile(r"global_step(\d+)")  # DeepSpeed's default tag, which training keeps
@@ -53,6 +63,19 @@ def step_tag(step: int) -> str:
 def best_tag(step: int) -> str:
     """The directory a best checkpoint is written to; the `best` link names the newest committed one."""
     return f"{BEST}_{step_tag(step)}"
+
+
+def average_tag(tags: list[str], last: int | None) -> str:
+    """The tag averaging writes by default: avg_lastK for the last K, else avg_ and the averaged training
+    tags' steps, oldest first (avg_1800_2000)."""
+    if last is not None:
+        return f"avg_last{last}"
+    return "avg_" + "_".join(tag.replace(step_tag(""), "") for tag in tags)
+
+
+def universal_tag(tag: str) -> str:
+    """The tag of checkpoint `tag`'s universal form, which a resume on another shape loads."""
+    return tag + UNIVERSAL
 
 
 def run_record(name: str) -> bool:

@@ -56,7 +56,9 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import fsync_dir, save_file, staged
 from fathom.common.run_layout import (
+    AVERAGE_SUMMARY,
     CONFIG_FILE,
+    average_tag,
     committed,
     committed_checkpoints,
     is_folder_name,
@@ -67,7 +69,6 @@ from fathom.common.run_layout import (
 from fathom.model.model_config import ModelConfig
 from fathom.model.trained import missing_layer_files, model_config, saved_layers
 
-SUMMARY = "fathom_average.json"
 ONE_RUN = "average checkpoints of one run"
 
 
@@ -133,12 +134,6 @@ def named_checkpoints(save_dir: Path, tags: list[str]) -> list[Path]:
     return [save_dir / tag for tag in seen.values()]
 
 
-def default_out_tag(checkpoints: list[Path], last: int | None) -> str:
-    if last is not None:
-        return f"avg_last{last}"
-    return "avg_" + "_".join(path.name.replace("global_step", "") for path in checkpoints)
-
-
 def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool) -> None:
     """Fails unless `tag` is a new (or, with force, an earlier averaged) tag that no reader takes for
     something else: a training checkpoint, `latest`, `best`."""
@@ -154,7 +149,7 @@ def check_out_tag(save_dir: Path, tag: str, checkpoints: list[Path], force: bool
         raise ConfigError(f"--out-tag: '{tag}' is one of the averaged checkpoints; choose another name")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ConfigError(f"--out-tag: {out} exists and is not a checkpoint folder; choose another name")
-    if out.exists() and not (out / SUMMARY).exists():
+    if out.exists() and not (out / AVERAGE_SUMMARY).exists():
         raise ConfigError(f"--out-tag: {out} exists and was not written by this script; choose another name")
     if out.exists() and not force:
         raise ConfigError(f"--out-tag: {out} already exists; choose another --out-tag or pass --force to replace it")
@@ -229,7 +224,7 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
     with staged(save_dir / out_tag) as staging:
         for name in names:
             save_file(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
-        (staging / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        (staging / AVERAGE_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         newest = checkpoints[-1][1]
         files = manifest_files(staging)
         write_manifest(staging, new_manifest(out_tag, summary["global_steps"], schedule_step(newest), files, None))
@@ -261,7 +256,7 @@ def average_checkpoints(
     chosen = named_checkpoints(save_dir, tags) if last is None else last_checkpoints(save_dir, last)
     checkpoints = by_step(chosen)
     if out_tag is None:
-        out_tag = default_out_tag([path for _, path in checkpoints], last)
+        out_tag = average_tag([path.name for _, path in checkpoints], last)
     check_out_tag(save_dir, out_tag, chosen, force)
     names = check_layer_files(cfg, chosen)
     return Averaged(out_tag, average(save_dir, checkpoints, names, out_tag))

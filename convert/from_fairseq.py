@@ -28,14 +28,13 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import save_file, staged
 from fathom.common.outputs import check_output_dir
-from fathom.common.run_layout import CONFIG_FILE, LATEST
+from fathom.common.run_layout import CONFIG_FILE, IMPORT_SUMMARY, LATEST
 from fathom.corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section
 from fathom.model.parts import fairseq_key, model_parts
 
 TAG = "fairseq"
-SUMMARY = "fathom_import.json"  # marks a directory this script wrote, which --force may replace
 # fairseq's bookkeeping, and the aliases of tied tables (read through their first use)
 NOT_WEIGHTS = {
     "encoder.version",
@@ -223,7 +222,7 @@ def import_fairseq(
     the checkpoint names). Fails in one ConfigError line before writing anything where the checkpoint,
     the dictionaries or `out` cannot be used."""
     source, out = Path(fairseq_checkpoint), Path(out)
-    check_output_dir(out, force, SUMMARY, [source])
+    check_output_dir(out, force, IMPORT_SUMMARY, [source])
     checkpoint = read_checkpoint(source)
     cfg = model_config_from(checkpoint.args, checkpoint.state, source)
     directory, dictionaries = model_dictionaries(checkpoint.task, data, cfg, source)
@@ -235,7 +234,7 @@ def import_fairseq(
         for lang, dictionary in dictionaries.items():
             dictionary.save(staging / f"dict.{lang}.txt")  # as prepare_data writes one, which it is compared with
         record_dictionaries(staging, dictionary_digests(staging, dictionaries), directory.resolve())
-        (staging / SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
+        (staging / IMPORT_SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
     return Imported(cfg, list(dictionaries))
 
 

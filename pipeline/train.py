@@ -6,6 +6,7 @@ deepspeed --num_gpus S scripts/train.py --config ds_configs/NAME.json [--overrid
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +22,15 @@ from deepspeed.pipe import PipelineModule
 
 from fathom.common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
 from fathom.common.errors import exit_on_config_error
-from fathom.common.run_layout import CONFIG_HISTORY, GRAD_NORMS_FILE, METRICS_FILE, checkpoint_dir, latest_tag
+from fathom.common.files import write_atomic
+from fathom.common.run_layout import (
+    CONFIG_HISTORY,
+    DEEPSPEED_CONFIG_FILE,
+    GRAD_NORMS_FILE,
+    METRICS_FILE,
+    checkpoint_dir,
+    latest_tag,
+)
 from fathom.corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
 from fathom.corpus.dataset import PreparedData, write_dictionaries
 from fathom.model.layers import compile_layers
@@ -31,7 +40,8 @@ from fathom.model.schedule import ScheduleHook
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.data_position import data_order, position_record
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
-from fathom.pipeline.config.deepspeed_values import engine_config, precision_warning
+from fathom.pipeline.config.deepspeed_values import precision_warning
+from fathom.pipeline.config.engine_defaults import engine_config
 from fathom.pipeline.config.history import record_config
 from fathom.pipeline.config.resume_rules import applied_optimizer_arguments
 from fathom.pipeline.config.run_config import RunConfig
@@ -189,6 +199,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         if changed := record_config(save_dir, cfg.to_dict(), engine.global_steps):
             print(f"fathom: from step {engine.global_steps + 1} on: {', '.join(changed)} ({CONFIG_HISTORY} "
                   "keeps each stretch's settings)", flush=True)  # fmt: skip
+        write_atomic(save_dir / DEEPSPEED_CONFIG_FILE, json.dumps(engine.config, indent=2) + "\n")
         if isinstance(corpus, PreparedData):
             write_dictionaries(save_dir, corpus)
     offset = resumed.get(SCHEDULE_OFFSET, 0)

@@ -29,11 +29,13 @@ from fathom.common.checkpoint_format import (
 )
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
-from fathom.common.run_layout import BEST, LATEST, latest_tag, linked_best
+from fathom.common.run_layout import BEST, CONFIG_FILE, DEEPSPEED_CONFIG_FILE, LATEST, latest_tag, linked_best
 from fathom.convert.average import main as average_main
 from fathom.corpus.dataset import BinarizedCorpus, file_record
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.config.deepspeed_values import OUR_SECTIONS
+from fathom.pipeline.config.engine_defaults import engine_config
 from fathom.pipeline.train import main
 from fathom.pipeline.validation import Best, validate, validation_line
 from fathom.translation.generate import main as generate_main
@@ -93,6 +95,19 @@ def test_checkpoints_are_committed_whole(trained):
         assert set(manifest["files"]) == on_disk and any(n.startswith("zero_pp_rank") for n in on_disk)
         for name, entry in manifest["files"].items():
             assert entry["zip"] and file_damage(trained / tag / name, entry, read=True) is None
+
+
+@pytest.mark.slow
+def test_the_run_records_its_config_as_written_and_the_config_deepspeed_received(trained):
+    """config.json holds the run's config as its file says it (a resume compares with it); deepspeed_config.json
+    what deepspeed.initialize was given, fathom's engine defaults (pipeline/config/engine_defaults.py) filled
+    in. The check once wrote pipeline.use_reentrant=false into config.json, as if the run had chosen it."""
+    written = json.loads((trained / CONFIG_FILE).read_text())
+    received = json.loads((trained / DEEPSPEED_CONFIG_FILE).read_text())
+    assert "use_reentrant" not in written["pipeline"]
+    deepspeeds_keys = {key: value for key, value in written.items() if key not in OUR_SECTIONS}
+    assert received == engine_config(deepspeeds_keys) != deepspeeds_keys
+    assert received["pipeline"]["use_reentrant"] is False and received["timers"]["throughput"]["enabled"] is False
 
 
 @pytest.mark.slow

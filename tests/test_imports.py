@@ -110,6 +110,40 @@ def test_the_run_keeps_at_most_12_modules_at_its_top_level():
     assert len(run_modules()) <= 12, f"group them into pipeline's subpackages: {sorted(run_modules())}"
 
 
+def string_constants(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every string literal in `path` but docstrings, f-strings' pieces included."""
+    tree = ast.parse(path.read_text())
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, documented) and ast.get_docstring(n)}
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_the_run_directorys_names_are_spelled_only_in_run_layout():
+    """common/run_layout.py owns every name in a run directory: a module spelling one itself (averaging's
+    avg_ tags and fathom_average.json, the reshape's .universal) would drift from the readers that find it.
+    Messages may mention a name; a literal that is one, or a tag's prefix, is refused."""
+    from fathom.common import run_layout
+
+    names = {name for name in run_layout.RUN_RECORDS if "*" not in name}
+    names |= {run_layout.AVERAGE_SUMMARY, run_layout.IMPORT_SUMMARY, run_layout.UNIVERSAL, run_layout.META_FILE}
+    names |= {run_layout.step_tag(""), run_layout.best_tag(""), "avg_", "avg_last"}
+    # copied into a run directory and run by a Python without fathom, so it cannot import run_layout
+    standalone = ROOT / "pipeline" / "checkpoint" / "recovery_script.py"
+    spelled = sorted(
+        f"{path.relative_to(ROOT)}:{line}: {text!r}"
+        for package in ALLOWED
+        for path in (ROOT / package).rglob("*.py")
+        if path not in (ROOT / "common" / "run_layout.py", standalone)
+        for line, text in string_constants(path)
+        if text in names
+    )
+    assert not spelled, "name it by its constant in common/run_layout.py"
+
+
 def test_no_module_imports_itself_back_through_others():
     deps, cycles, state = graph(), [], {}
 

@@ -26,8 +26,8 @@ from fathom.common.checkpoint_format import (
     read_manifest,
 )
 from fathom.common.errors import exit_on_config_error
-from fathom.common.run_layout import latest_step
-from fathom.pipeline.checkpoint.reshape import UNIVERSAL, Shape
+from fathom.common.run_layout import UNIVERSAL, latest_step
+from fathom.pipeline.checkpoint.reshape import Shape
 from tests.helpers import ROOT, built_once, launch, launch_env, launcher_command, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

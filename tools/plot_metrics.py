@@ -11,7 +11,7 @@ from fathom.common.figures import pyplot
 from fathom.common.files import write_atomic
 from fathom.common.jsonl import read_jsonl
 from fathom.common.outputs import check_writable_file
-from fathom.common.run_layout import METRICS_FILE
+from fathom.common.run_layout import LOSS_PLOT, METRICS_FILE
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     path = Path(args.run) / METRICS_FILE
-    out = Path(args.out or Path(args.run) / "loss.png")
+    out = Path(args.out or Path(args.run) / LOSS_PLOT)
     with exit_on_config_error():
         plt = pyplot("scripts/plot_metrics.py")
         if not path.is_file():

@@ -21,9 +21,9 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import check_number, exit_on_config_error
 from fathom.common.machine import cpu
 from fathom.common.repo import ROOT
-from fathom.common.run_layout import latest_tag
+from fathom.common.run_layout import latest_tag, step_tag, universal_tag
 from fathom.common.tables import markdown_table
-from fathom.pipeline.checkpoint.reshape import converter_command, universal_tag
+from fathom.pipeline.checkpoint.reshape import converter_command
 from fathom.tools.process_sampling import Measured, mib, run_sampled
 
 CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's universal form in ([\d.]+) s")
@@ -68,7 +68,7 @@ def direction(args: argparse.Namespace, name: str, stages: int, step: int) -> di
     if said is None:
         raise SystemExit(f"bench_reshape: {resumed.log} has no 'resuming ... converted' line; the run did not reshape")
     run = Path(args.work) / "run"
-    assert not (run / universal_tag(f"global_step{step - 1}")).exists(), "the universal copy outlived the save"
+    assert not (run / universal_tag(step_tag(step - 1))).exists(), "the universal copy outlived the save"
     return {
         "reshape": said[1],
         "conversion_in_run_s": float(said[2]),

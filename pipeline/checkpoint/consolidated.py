@@ -26,12 +26,11 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import save_file, unique_sibling, write_atomic
 from fathom.common.outputs import check_makeable
-from fathom.common.run_layout import checkpoint_dir
+from fathom.common.run_layout import DEEPSPEED_SCRIPTS, checkpoint_dir
 from fathom.model.model_config import DTYPES
 from fathom.model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
 
 WEIGHTS = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # what DeepSpeed copies into a save_dir
 # DeepSpeed's spellings of the output precision (zero_to_torch.py --dtype)
 DTYPE_NAMES = {**{name: name for name in DTYPES}, "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -86,7 +85,7 @@ def write_recovery_scripts(save_dir: str) -> None:
     """What fathom's saves write where DeepSpeed would copy its zero_to_fp32.py and zero_to_torch.py:
     recovery_script.py under both names, executable, as DeepSpeed leaves its own."""
     text = Path(__file__).with_name("recovery_script.py").read_text()
-    for name in RECOVERY_SCRIPTS:
+    for name in DEEPSPEED_SCRIPTS:
         path = Path(save_dir) / name
         write_atomic(path, text)
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

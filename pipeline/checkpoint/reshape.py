@@ -41,9 +41,8 @@ from fathom.common.checkpoint_format import (
 )
 from fathom.common.errors import ConfigError
 from fathom.common.files import fsync_dir, unique_sibling
+from fathom.common.run_layout import UNIVERSAL, universal_tag
 from fathom.pipeline.engine.internals import built_stage_bounds
-
-UNIVERSAL = ".universal"  # suffix of a checkpoint tag's universal form
 
 
 @dataclass(frozen=True)
@@ -90,10 +89,6 @@ def sharded(manifest: dict[str, Any]) -> bool:
     """Whether a checkpoint's optimizer state is partitioned over its replicas (else each stage's
     model-states file holds it whole)."""
     return any(OPTIMIZER_FILE.fullmatch(name) for name in manifest["files"])
-
-
-def universal_tag(tag: str) -> str:
-    return tag + UNIVERSAL
 
 
 def converter_workers() -> int:

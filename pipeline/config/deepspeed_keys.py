@@ -93,10 +93,10 @@ class Recording(dict):
 def pipeline_defaults() -> dict[str, Any]:
     """The pipeline section's keys and DeepSpeed's defaults: DeepSpeedConfig's (it takes the section whole,
     over its defaults, so it refuses none) and use_reentrant, which PipelineEngine reads itself (fathom's
-    default: false). `partition` is fathom's too."""
+    value where a config leaves it out is in pipeline/config/engine_defaults.py). `partition` is fathom's too."""
     from deepspeed.runtime.config import get_pipeline_config
 
-    return {**get_pipeline_config({}), "use_reentrant": False}
+    return {**get_pipeline_config({}), "use_reentrant": True}
 
 
 def probe_config(ds: dict[str, Any]) -> dict[str, Any]:

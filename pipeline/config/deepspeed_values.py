@@ -4,7 +4,6 @@ package is missing). Which keys DeepSpeed reads at all is pipeline/config/deepsp
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import inspect
 import re
@@ -20,6 +19,7 @@ from fathom.common.sections import check_value
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
 from fathom.pipeline.config.deepspeed_sections import check_sections
+from fathom.pipeline.config.engine_defaults import engine_config
 from fathom.pipeline.parts.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
@@ -64,10 +64,10 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
     # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
-    if pipeline.setdefault("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
+    if pipeline.get("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
         raise ConfigError(
             "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
-            "a stage boundary; set it false (the default here)"
+            "a stage boundary; set it false (fathom's default: pipeline/config/engine_defaults.py)"
         )
     if (zero_stage := zero_optimization_stage(ds)) not in (0, 1):
         raise ConfigError(
@@ -149,26 +149,6 @@ def precision_warning(ds: dict[str, Any]) -> str | None:
             "about 50x slower than fp32; train in fp32 (bf16.enabled=false) on this machine"
         )
     return None
-
-
-def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
-    """The run's DeepSpeed config as the engine gets it: a copy with fathom's defaults where the run's
-    config leaves a key out, each one what costs the engine less host time per layer (docs/TRAINING.md):
-
-    - zero_optimization.contiguous_gradients false at ZeRO-1: where true (DeepSpeed's default), ZeRO
-      hooks every parameter tensor's gradient to stage it in a bucket as backward produces it, which
-      only ZeRO-2 and overlap_comm use; at stage 1 the hooks only count, in Python, once per parameter
-      tensor and micro-batch (4,212 calls a step at 25L-25L with 4 micro-batches), and the reduction
-      reads the gradients at the step either way.
-    - timers.throughput.enabled false: DeepSpeed's samples/s timer synchronizes the device at every
-      micro-batch's forward and step, a stall per micro-batch on a GPU; fathom times steps itself.
-    """
-    config = copy.deepcopy(ds)
-    zero = config.setdefault("zero_optimization", {})
-    if zero_optimization_stage(config) == 1 and not zero.get("overlap_comm"):
-        zero.setdefault("contiguous_gradients", False)
-    config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
-    return config
 
 
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}

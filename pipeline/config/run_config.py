@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fathom.common.errors import ConfigError
+from fathom.common.run_layout import META_FILE
 from fathom.common.sections import APPLIED, DATA_ORDER, LOCATION, START_ONLY, bounds, parse_section
 from fathom.corpus.batches import BatchSize, ParallelCorpus, SyntheticConfig, SyntheticTranslation
 from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
@@ -52,7 +53,7 @@ class DataConfig:
             raise ConfigError(f"data.path: {self.path} names a shard twice; give each once")
         for path in self.shards:
             check_no_tilde(path, "data.path")
-            if not (Path(path) / "meta.json").exists():
+            if not (Path(path) / META_FILE).exists():
                 raise ConfigError(f"data.path: {path} is not a prepared data directory; run scripts/prepare_data.py")
 
     @property

@@ -13,7 +13,7 @@ Because the recomputation reseeds itself, checkpointing need not save and restor
 the stage runs torch's reentrant checkpoint without them (`recompute`) instead of DeepSpeed's: its
 forward runs without recording autograd and its backward replays the layers once, where DeepSpeed's
 non-reentrant checkpoint records the forward for autograd and unpacks every saved tensor through a
-Python hook. With fathom's other engine settings (pipeline/config/deepspeed_values.engine_config) it
+Python hook. With fathom's other engine settings (pipeline/config/engine_defaults.py) it
 took a 25L-25L d 16 step on a CPU from 2.5-3.0x to 1.8-1.9x a plain loop's without checkpointing, about
 what the plain loop with torch's checkpoint took (docs/BENCHMARKS.md).
 """

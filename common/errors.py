@@ -1,4 +1,5 @@
-"""The one-line error every user mistake ends in, and how a command-line entry point exits with it."""
+"""The one-line error every user mistake ends in, and how a command-line entry point exits with it (a
+command's other steps: docs/DESIGN.md, "A new command")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Every numeric option of every command (scripts/*.py) refuses an out-of-range value the way every user
-mistake ends: one line `fathom: error: OPTION: ...` on stderr, exit status 2, before any work (reading a
-corpus, loading a checkpoint, training SentencePiece) and with nothing written.
+"""Every numeric option of every command (scripts/*.py) refuses an out-of-range value as docs/DESIGN.md's
+"A new command" says a mistake ends, naming the option (`fathom: error: OPTION: ...`), before any work
+(reading a corpus, loading a checkpoint, training SentencePiece) and with nothing written.
 
 The table below is checked against the commands themselves: each command's argument parser is walked
 for its numeric options (type int, float or common.errors.int_list), and one the table has no case for

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 from pathlib import Path
 
+from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.figures import pyplot
 from fathom.common.files import write_atomic
@@ -15,7 +15,7 @@ from fathom.common.run_layout import LOSS_PLOT, METRICS_FILE
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = command_parser(__doc__)
     parser.add_argument("run", help="train.save_dir of a run (holds metrics.jsonl)")
     parser.add_argument("--out", default=None, help="image to write, .png, .pdf, .svg, ... (default: RUN/loss.png)")
     parser.add_argument("--title", default=None)

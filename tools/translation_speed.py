@@ -22,6 +22,7 @@ times the searches against decoder depth instead, on randomly initialized models
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def parse_depth_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=depth_main.__doc__)
+    parser = command_parser(inspect.cleandoc(depth_main.__doc__))  # raw help: without the indent
     parser.add_argument("--depths", type=int_list, default=(25, 50, 100), help="decoder depths, comma-separated")
     parser.add_argument("--encoder-layers", type=int, default=12)
     parser.add_argument("--dim", type=int, default=128)

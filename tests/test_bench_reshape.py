@@ -5,10 +5,12 @@ import pytest
 from fathom.tools.reshape_cost import main, table
 
 
-def test_a_work_directory_in_use_is_refused_before_anything_runs(tmp_path):
+def test_a_work_directory_in_use_is_refused_before_anything_runs(tmp_path, capsys):
     (tmp_path / "something").write_text("x")
-    with pytest.raises(SystemExit, match="is not empty; give a new directory"):
+    with pytest.raises(SystemExit) as stopped:
         main(["--work", str(tmp_path)])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"fathom: error: --work {tmp_path}: is not empty; give a new directory\n"
     assert [p.name for p in tmp_path.iterdir()] == ["something"]
 
 

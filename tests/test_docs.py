@@ -1,14 +1,19 @@
 """The docs agree with the code: docs/TRAINING.md's table of config keys names every key of the model,
 data and train sections, and only keys that exist, and its table of DeepSpeed's sections every key fathom
-applies or refuses (docs/SCHEMES.md's table is checked in test_cli.py)."""
+applies or refuses, and the config mistakes it quotes are the code's lines (docs/SCHEMES.md's table is checked
+in test_cli.py)."""
 
 import dataclasses
 import re
 import typing
 
+import pytest
+
+from fathom.common.errors import ConfigError
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
-from fathom.pipeline.config.run_config import DataConfig, TrainConfig
+from fathom.pipeline.config.engine_defaults import ENGINE_DEFAULTS
+from fathom.pipeline.config.run_config import DataConfig, TrainConfig, load_config
 from tests.helpers import ROOT
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
@@ -96,3 +101,35 @@ def test_the_deepspeed_table_names_each_key_as_applied_or_refused():
     decided = APPLIED.keys() | REFUSED.keys()
     assert sorted(decided - rows.keys()) == []
     assert sorted(key for key in decided if rows[key].startswith("refused") != (key in REFUSED)) == []
+
+
+# The override that makes each config mistake docs/TRAINING.md quotes, on ds_configs/default.json
+QUOTED_MISTAKES = [
+    ("model.encoder_layer=3", 2),
+    ("modle.x=1", 2),
+    ("optimizer.params.lrr=1", 2),
+    ("pipeline.stages=30", 30),
+    ("zero_optimization.stage=2", 2),
+    ("train_batch_size=30 pipeline.stages=1", 1),
+    ('zero_optimization.stage="1"', 2),
+]
+
+
+def test_the_config_mistakes_training_md_quotes_are_the_codes_lines():
+    text = (ROOT / "docs" / "TRAINING.md").read_text()
+    config_mistake = r"^fathom: error: [a-z_]+[.:].*$"  # a key's line, not a rank's or a step's
+    quoted = [line.removeprefix("fathom: error: ") for line in re.findall(config_mistake, text, re.M)]
+    produced = []
+    for overrides, world_size in QUOTED_MISTAKES:
+        with pytest.raises(ConfigError) as refused:
+            load_config(str(ROOT / "ds_configs" / "default.json"), overrides.split(), world_size=world_size)
+        produced.append(str(refused.value))
+    assert [line for line in quoted if line in produced] == produced
+
+
+def test_the_engine_settings_section_names_every_engine_default():
+    """Each key fathom sets in DeepSpeed's config (pipeline/config/engine_defaults.py) is explained in
+    docs/TRAINING.md's "Settings fathom picks for the engine"."""
+    text = (ROOT / "docs" / "TRAINING.md").read_text()
+    section = text[text.index("## Settings fathom picks for the engine") :].split("\n## ")[0]
+    assert [d.key for d in ENGINE_DEFAULTS if f"`{d.key}`" not in section] == []

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
+from fathom.common.files import write_atomic
 from fathom.common.machine import cpu
 from fathom.common.outputs import check_makeable, check_writable_file
 from fathom.common.run_layout import META_FILE
@@ -382,4 +383,4 @@ def main(argv: list[str] | None = None) -> None:
         print(table(results))
         print("\n".join(summary(results)))
         if args.json:
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_atomic(args.json, json.dumps(results, indent=2) + "\n")

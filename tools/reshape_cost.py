@@ -18,8 +18,10 @@ import shutil
 from pathlib import Path
 
 from fathom.common.cli import command_parser
-from fathom.common.errors import check_number, exit_on_config_error
+from fathom.common.errors import ConfigError, check_number, exit_on_config_error
+from fathom.common.files import write_atomic
 from fathom.common.machine import cpu
+from fathom.common.outputs import check_writable_file
 from fathom.common.repo import ROOT
 from fathom.common.run_layout import latest_tag, step_tag, universal_tag
 from fathom.common.tables import markdown_table
@@ -84,7 +86,7 @@ def direction(args: argparse.Namespace, name: str, stages: int, step: int) -> di
 def run(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     if work.exists() and any(work.iterdir()):
-        raise SystemExit(f"bench_reshape: --work {work} is not empty; give a new directory")
+        raise ConfigError(f"--work {work}: is not empty; give a new directory")
     work.mkdir(parents=True, exist_ok=True)
     trained = launch(args, "train-2-stages", 2, 1, resume=False)
     return {
@@ -114,9 +116,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
         check_number("--port", args.port, 1, 65535)
-    results = run(args)
+        if args.json:
+            check_writable_file(Path(args.json), "--json")
+        results = run(args)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_atomic(Path(args.json), json.dumps(results, indent=1) + "\n")
     info = results["cpu"]
     print(f"{info['model']}, {info['usable_cores']} cores, avx512_bf16: {info['avx512_bf16']}")
     print(f"trained 1 step at 2 stages in {results['train_2_stages_s']:.1f} s")

@@ -38,6 +38,7 @@ import torch
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, check_number, exit_on_config_error, int_list
+from fathom.common.files import write_atomic
 from fathom.common.heap import decoding_env, keep_freed_blocks
 from fathom.common.outputs import check_writable_file
 from fathom.common.tables import markdown_row, markdown_rule, markdown_table
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         results = run(args)
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        write_atomic(Path(args.json), json.dumps(results, indent=2) + "\n")
 
 
 def parse_depth_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -88,8 +88,3 @@ def deepspeeds_own(ds: dict[str, Any]) -> dict[str, Any]:
         if default.for_speed:
             _set(config, default.key, default.deepspeeds, replace=True)
     return config
-
-
-def defaults_table() -> list[list[str]]:
-    """ENGINE_DEFAULTS as rows (key, fathom's, DeepSpeed's, why) for docs/TRAINING.md's table."""
-    return [[f"`{d.key}`", str(d.fathoms).lower(), str(d.deepspeeds).lower(), d.why] for d in ENGINE_DEFAULTS]

@@ -2,7 +2,7 @@
 
 Profiling: the model as built (fairseq's initialization, every omega = 1) runs forward over one
 batch, without dropout unless model.admin.profile_dropout (the authors' code profiles in training
-mode, with dropout: omegas 4.2% larger on average at dropout 0.1, 6L-6L, docs/DESIGN.md), and each
+mode, with dropout: omegas 4.2% larger on average at dropout 0.1, 6L-6L, docs/INTERNALS.md), and each
 sublayer i records Var[f_i(x_{i-1})], the variance of its branch output. Initialization, counted
 separately over the encoder's 2N and the decoder's 3M sublayers:
 

@@ -39,7 +39,7 @@ from fathom.pipeline.engine.internals import (
 )
 from fathom.pipeline.parts.specs import layer_specs
 from fathom.pipeline.train import build_engine
-from fathom.tools.training_speed import synthetic_batch
+from fathom.tools.timed_steps import synthetic_batch
 from tests.helpers import ROOT
 
 
@@ -255,7 +255,7 @@ def test_the_guard_and_zeros_scans_read_each_gradient_once_a_step(process_group,
     gradients (GradientNorms); a gradient the guard sees go non-finite is measured anew, so the step
     is still skipped."""
     from fathom.pipeline.safety.divergence import StabilityGuard
-    from fathom.tools.training_speed import built_engine
+    from fathom.tools.in_process_engine import built_engine
 
     cfg = SMALL_MODEL(norm_scheme="deepnorm")
     ds = {**ONE_STAGE, "bf16": {"enabled": True}, "gradient_clipping": 1.0}

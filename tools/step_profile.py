@@ -63,10 +63,10 @@ from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.engine.cuda_graphs import graph_layers
 from fathom.pipeline.engine.internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
 from fathom.pipeline.engine.patches import patch_training
-from fathom.tools.training_speed import (
+from fathom.tools.in_process_engine import built_engine
+from fathom.tools.timed_steps import (
     ADAMW,
     Step,
-    built_engine,
     check_device,
     plain_loop,
     synchronized,

@@ -192,7 +192,7 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
     translation and conversion (a save_dir's zero_to_fp32.py too) import without it (its logger writes to
     stdout, and a machine that only translates need not build it)."""
     modules = ["model", "model.parts", "model.fold", "model.trained", "corpus.prepare", "corpus.batches",
-               "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.stage_modules",
+               "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.parts.stage_modules",
                "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
                "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
     code = f"import importlib, sys; [importlib.import_module('fathom.' + m) for m in {modules!r}]; "

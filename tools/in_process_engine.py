@@ -1,5 +1,6 @@
 """DeepSpeed's pipeline engine built in this one process, at one stage, as scripts/train.py builds it: for
-the benchmarks that time it beside a plain loop and the tests that drive it without launching ranks.
+the benchmarks that time it beside a plain loop and the tests that drive it without launching ranks; and
+the check that a device is one this machine has, and the one DeepSpeed's engine would run on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
+from fathom.common.errors import ConfigError
 from fathom.common.ports import free_port
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_values import check_deepspeed
@@ -73,3 +76,27 @@ def built_engine(
     # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
     # (weights, optimizer state) would stay in memory until the process ends.
     clear_pipe_buffers(engine)
+
+
+def check_device(device: str, engine: bool) -> None:
+    """`device` is the CPU or a CUDA GPU this machine has; with `engine`, also the device DeepSpeed's
+    engine will run on (its accelerator's, chosen when deepspeed is imported)."""
+    try:
+        kind = torch.device(device)
+    except RuntimeError:
+        kind = None
+    if kind is None or kind.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: not a device here; choose cpu, cuda or cuda:N")
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {device}: torch sees no CUDA GPU on this machine; run on one or use --device cpu"
+            )
+        if (kind.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 on)")
+    accelerator = get_accelerator().device_name()
+    if engine and accelerator != kind.type:
+        raise ConfigError(
+            f"--device {device}: DeepSpeed's engine would run on its accelerator, {accelerator}; "
+            f"set DS_ACCELERATOR={kind.type} to time it there"
+        )

@@ -1,7 +1,7 @@
-"""A training step built and timed in this one process: a fixed batch without padding, the plain PyTorch
-loop (AdamW and the label-smoothed loss), a timer that waits for the device, and the check that a device
-exists. The benchmarks (tools/training_speed.py, tools/step_profile.py, tools/stage_balance.py) and the
-tests that time or compare steps build on these.
+"""A training step built and timed in this one process, in plain PyTorch: a fixed batch without padding,
+the plain loop (AdamW and the label-smoothed loss) and a timer that waits for the device. The benchmarks
+(tools/training_speed.py, tools/step_profile.py, tools/stage_balance.py) and the tests that time or
+compare steps build on these.
 """
 
 from __future__ import annotations
@@ -10,10 +10,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from deepspeed.accelerator import get_accelerator
 from torch import nn
 
-from fathom.common.errors import ConfigError
 from fathom.corpus.batches import MicroBatch, collate
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import NUM_SPECIAL
@@ -93,27 +91,3 @@ def plain_loop(
         optimizer.step()
 
     return synchronized(step, device)
-
-
-def check_device(device: str, engine: bool) -> None:
-    """`device` is the CPU or a CUDA GPU this machine has; with `engine`, also the device DeepSpeed's
-    engine will run on (its accelerator's, chosen when deepspeed is imported)."""
-    try:
-        kind = torch.device(device)
-    except RuntimeError:
-        kind = None
-    if kind is None or kind.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device}: not a device here; choose cpu, cuda or cuda:N")
-    if kind.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {device}: torch sees no CUDA GPU on this machine; run on one or use --device cpu"
-            )
-        if (kind.index or 0) >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 on)")
-    accelerator = get_accelerator().device_name()
-    if engine and accelerator != kind.type:
-        raise ConfigError(
-            f"--device {device}: DeepSpeed's engine would run on its accelerator, {accelerator}; "
-            f"set DS_ACCELERATOR={kind.type} to time it there"
-        )

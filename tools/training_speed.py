@@ -35,17 +35,8 @@ from fathom.model.layers import compile_layers, compiler_missing
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.norms import build_scheme
 from fathom.model.transformer import Transformer
-from fathom.tools.in_process_engine import built_engine
-from fathom.tools.timed_steps import (
-    ADAMW,
-    Step,
-    check_device,
-    plain_loop,
-    synchronized,
-    synthetic_batch,
-    time_steps,
-    weights_dtype,
-)
+from fathom.tools.in_process_engine import built_engine, check_device
+from fathom.tools.timed_steps import ADAMW, Step, plain_loop, synchronized, synthetic_batch, time_steps, weights_dtype
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in

@@ -12,6 +12,7 @@ from typing import Any
 
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
+from fathom.common.run_layout import CONFIG_FILE, METRICS_FILE
 from fathom.common.tables import markdown_table
 
 SUMMARY_SYSTEMS = ("fathom", "bf16-weights", "torchscale", "deepspeed")  # gpu_check.sh's bench columns
@@ -79,10 +80,11 @@ def gpu_check_summary(out: Path) -> str:
         rows.append(["profile", status("profile"), "", "", "", ""])
     run_dir = out / "run500"
     # A step's own time is its tokens over its tokens/s; the first two steps warm up.
-    steps = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    metrics, config = run_dir / METRICS_FILE, run_dir / CONFIG_FILE
+    steps = read_jsonl(metrics) if metrics.exists() else []
     seconds = [r["tokens"] / r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
     steady = seconds[2:] or seconds
-    model = json.loads((run_dir / "config.json").read_text())["model"] if (run_dir / "config.json").exists() else None
+    model = json.loads(config.read_text())["model"] if config.exists() else None
     what = f"train {model['encoder_layers']}L-{model['decoder_layers']}L, 1 GPU" if model else "train500"
     cell = f"{statistics.median(steady):.2f} s/step (median of {len(steady)})" if steady else ""
     train_log = out / "train500.txt"

@@ -2,9 +2,9 @@
 
 A filter owns its command-line option, the meta.json key counting the pairs it dropped, and the words
 the closing summary and the "no pairs left" error use for them. corpus/binarize.py applies the list to
-every chunk; corpus/prepare.py builds its options, their checks, meta.json's "filters" record and
-counts, the summary and the error from it. A new filter is a new entry here, its option's field in
-FilterSettings, and its test.
+every chunk; corpus/prepare.py builds its options, meta.json's "filters" record and counts, the summary
+and the error from it, and corpus/prepare_options.py the options' checks. A new filter is a new entry
+here, its option's field in FilterSettings, and its test.
 """
 
 from __future__ import annotations

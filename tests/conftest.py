@@ -46,7 +46,7 @@ def process_group(monkeypatch) -> None:
     """torch.distributed for this one process, as scripts/bench.py makes it, for a test that builds
     DeepSpeed's engine in-process. The group outlives the test (torch makes one per process); the
     environment it reads does not: later tests' subprocesses (fairseq-train) would take its port."""
-    from fathom.tools.training_speed import init_single_process  # imports DeepSpeed: only where it is used
+    from fathom.tools.in_process_engine import init_single_process  # imports DeepSpeed: only where it is used
 
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.setenv(key, "")  # what teardown restores

@@ -270,7 +270,8 @@ def trained_in_process(
 
     from fathom.corpus.batches import DataPosition
     from fathom.pipeline.engine.patches import patch_training
-    from fathom.tools.training_speed import built_engine, synthetic_batch  # imports DeepSpeed: only where it is used
+    from fathom.tools.in_process_engine import built_engine  # imports DeepSpeed: only where it is used
+    from fathom.tools.timed_steps import synthetic_batch
 
     with built_engine(cfg, ds, "cpu", deepspeeds) as engine:
         masks = patch_training(engine, cfg, seed=1, position=DataPosition(0, 0, 2, 1)).masks

@@ -18,8 +18,11 @@ from fathom.common.errors import ConfigError
 from fathom.model import ModelConfig, Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
+from fathom.tools.gpu_check_report import gpu_check_summary
+from fathom.tools.in_process_engine import check_device
 from fathom.tools.step_profile import ProfileBench, counted, profile_systems
-from fathom.tools.training_speed import check_device, gpu_check_summary, model_flops, plain_loop, synthetic_batch
+from fathom.tools.timed_steps import plain_loop, synthetic_batch
+from fathom.tools.training_speed import model_flops
 from tests.helpers import ROOT
 
 TINY = ModelConfig(

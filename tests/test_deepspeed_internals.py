@@ -39,7 +39,7 @@ from fathom.pipeline.engine.internals import (
 )
 from fathom.pipeline.parts.specs import layer_specs
 from fathom.pipeline.train import build_engine
-from fathom.tools.training_speed import synthetic_batch
+from fathom.tools.timed_steps import synthetic_batch
 from tests.helpers import ROOT
 
 
@@ -192,7 +192,7 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
     translation and conversion (a save_dir's zero_to_fp32.py too) import without it (its logger writes to
     stdout, and a machine that only translates need not build it)."""
     modules = ["model", "model.parts", "model.fold", "model.trained", "corpus.prepare", "corpus.batches",
-               "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.stage_modules",
+               "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.parts.stage_modules",
                "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
                "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
     code = f"import importlib, sys; [importlib.import_module('fathom.' + m) for m in {modules!r}]; "
@@ -255,7 +255,7 @@ def test_the_guard_and_zeros_scans_read_each_gradient_once_a_step(process_group,
     gradients (GradientNorms); a gradient the guard sees go non-finite is measured anew, so the step
     is still skipped."""
     from fathom.pipeline.safety.divergence import StabilityGuard
-    from fathom.tools.training_speed import built_engine
+    from fathom.tools.in_process_engine import built_engine
 
     cfg = SMALL_MODEL(norm_scheme="deepnorm")
     ds = {**ONE_STAGE, "bf16": {"enabled": True}, "gradient_clipping": 1.0}

@@ -1,6 +1,6 @@
 """How the packages depend on each other, read from every import statement (function-local ones
 included, so that none can hide a dependency): each package imports only the layers below it, and no
-module imports itself back through others."""
+module imports itself back through others; and how long a module grows: under 400 lines, one concern."""
 
 import argparse
 import ast
@@ -85,6 +85,22 @@ def test_only_tools_find_the_repository():
     """common.repo is where the clone is; an installed wheel has none, so what users run must not need it."""
     needing = [name for name, deps in graph().items() if "common.repo" in deps and name.split(".")[0] != "tools"]
     assert not sorted(needing), "find configs by name (config_file) and launch modules (python -m fathom...)"
+
+
+# Lines a module stays under: past them it holds several concerns, and splits by them.
+MODULE_LINES = 400
+LONGER_MODULES = {"model/norms.py": 600}  # the scheme catalogue, read and compared in one sitting
+
+
+def test_every_module_is_under_400_lines():
+    too_long = sorted(
+        f"{name}: {lines} lines"
+        for package in ALLOWED
+        for path in (ROOT / package).rglob("*.py")
+        if (lines := len(path.read_text().splitlines()))
+        >= LONGER_MODULES.get(name := path.relative_to(ROOT).as_posix(), MODULE_LINES)
+    )
+    assert not too_long, "split each by concern into modules whose names say what they hold"
 
 
 def run_modules() -> set[str]:

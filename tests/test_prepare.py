@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from fathom.common.errors import ConfigError
-from fathom.corpus import prepare
+from fathom.corpus import encoded_splits
 from fathom.corpus.dataset import BinarizedCorpus, ShardedCorpus
 from fathom.corpus.filters import FilterSettings, Pairs, apply
+from fathom.corpus.prepare import PrepareOptions, prepare  # as docs/REAL_DATA.md shows users
 from fathom.corpus.prepare import main as prepare_main
+from fathom.corpus.prepare_options import SPM_SEED
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.train import main as train_main
 from fathom.tools.standin_corpus import write_standin
@@ -38,13 +40,13 @@ def run_prepare(standin: Path, out: Path, *extra: str) -> dict:
 
 
 def test_the_output_is_the_same_bytes_for_any_number_of_workers_and_from_python(standin, tmp_path, monkeypatch):
-    """One worker through the command, two through the Python API (prepare.PrepareOptions): the same files."""
-    monkeypatch.setattr(prepare, "CHUNK", 700)  # nine chunks, so two workers really share them
+    """One worker through the command, two through the Python API (prepare(PrepareOptions(...))): the same files."""
+    monkeypatch.setattr(encoded_splits, "CHUNK", 700)  # nine chunks, so two workers really share them
     run_prepare(standin, tmp_path / "1", "--vocab-size", "500", "--spm-sample", "4000", "--workers", "1")
-    options = prepare.PrepareOptions(
+    options = PrepareOptions(
         src="de", tgt="en", train=standin / "train", valid=standin / "val", out=tmp_path / "2", vocab_size=500
     )
-    meta = prepare.prepare(dataclasses.replace(options, spm_sample=4000, workers=2))
+    meta = prepare(dataclasses.replace(options, spm_sample=4000, workers=2))
     assert contents(tmp_path / "1") == contents(tmp_path / "2")
     assert meta == json.loads((tmp_path / "2" / "meta.json").read_text())
 
@@ -52,7 +54,7 @@ def test_the_output_is_the_same_bytes_for_any_number_of_workers_and_from_python(
 def test_sentencepiece_trains_on_a_seeded_sample_recorded_in_meta(standin, tmp_path):
     meta = run_prepare(standin, tmp_path / "a", "--vocab-size", "500", "--spm-sample", "3000")
     assert meta["sentencepiece"]["trained"]["sample"] == [{"sentences": 3000, "of": 12000}]
-    assert meta["sentencepiece"]["trained"]["seed"] == prepare.SPM_SEED
+    assert meta["sentencepiece"]["trained"]["seed"] == SPM_SEED
     run_prepare(standin, tmp_path / "b", "--vocab-size", "500", "--spm-sample", "3000", "--workers", "1")
     assert (tmp_path / "a" / "spm.model").read_bytes() == (tmp_path / "b" / "spm.model").read_bytes()
     run_prepare(standin, tmp_path / "c", "--vocab-size", "500", "--spm-sample", "3000", "--spm-seed", "2")

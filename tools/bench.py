@@ -41,20 +41,11 @@ from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.model_section import model_section
 from fathom.pipeline.config.run_config import TrainConfig
 from fathom.tools import step_profile
+from fathom.tools.gpu_check_report import gpu_check_summary
 from fathom.tools.stage_balance import StageTime, stage_times
 from fathom.tools.step_profile import ProfileBench, StepProfile
-from fathom.tools.training_speed import (
-    PEERS,
-    PRECISIONS,
-    Bench,
-    Result,
-    check,
-    gpu_check_summary,
-    matmul_peak,
-    run,
-    synthetic_batch,
-    with_peak,
-)
+from fathom.tools.timed_steps import synthetic_batch
+from fathom.tools.training_speed import PEERS, PRECISIONS, Bench, Result, check, matmul_peak, run, with_peak
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -42,7 +42,7 @@ from fathom.common.machine import cpu
 from fathom.common.outputs import check_makeable, check_writable_file
 from fathom.common.run_layout import META_FILE
 from fathom.common.tables import markdown_table
-from fathom.corpus.prepare import SPM_SAMPLE
+from fathom.corpus.prepare_options import SPM_SAMPLE
 from fathom.corpus.subwords import TRAINING_THREADS
 from fathom.corpus.text import read_lines
 from fathom.tools.process_sampling import Measured, StageError, mib, run_sampled

@@ -20,7 +20,7 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.parts import build_parts
 from fathom.pipeline.parts.stage_cuts import stage_bounds
 from fathom.pipeline.parts.stage_modules import pipe_parts
-from fathom.tools.training_speed import time_steps
+from fathom.tools.timed_steps import time_steps
 
 
 @dataclass

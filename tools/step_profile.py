@@ -63,17 +63,8 @@ from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.engine.cuda_graphs import graph_layers
 from fathom.pipeline.engine.internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
 from fathom.pipeline.engine.patches import patch_training
-from fathom.tools.training_speed import (
-    ADAMW,
-    Step,
-    built_engine,
-    check_device,
-    plain_loop,
-    synchronized,
-    synthetic_batch,
-    time_steps,
-    to_device,
-)
+from fathom.tools.in_process_engine import built_engine, check_device
+from fathom.tools.timed_steps import ADAMW, Step, plain_loop, synchronized, synthetic_batch, time_steps, to_device
 
 # the host's launch calls: a kernel, or a CUDA graph of many
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")

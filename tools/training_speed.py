@@ -20,50 +20,28 @@ matmul peak of bf16 and autocast is bf16's.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
-import io
 import itertools
-import json
-import os
-import re
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
-import torch.distributed as dist
-from deepspeed.accelerator import get_accelerator
-from torch import nn
 
 from fathom.common.errors import ConfigError
-from fathom.common.jsonl import read_jsonl
-from fathom.common.ports import free_port
-from fathom.common.tables import markdown_table
-from fathom.corpus.batches import MicroBatch, collate
+from fathom.corpus.batches import MicroBatch
 from fathom.model.layers import compile_layers, compiler_missing
-from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.norms import build_scheme
 from fathom.model.transformer import Transformer
-from fathom.pipeline.config.deepspeed_values import check_deepspeed
-from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
-from fathom.pipeline.engine.internals import clear_pipe_buffers
-from fathom.pipeline.launch.distributed import release_shm_buffer
-from fathom.pipeline.train import build_engine
+from fathom.tools.in_process_engine import built_engine, check_device
+from fathom.tools.timed_steps import ADAMW, Step, plain_loop, synchronized, synthetic_batch, time_steps, weights_dtype
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
 # What our plain loop ("fathom") can be compared with; bf16-weights: ours in pure bf16 whatever the precision.
 PEERS = ("torchscale", "deepspeed", "compiled", "bf16-weights")
-# ds_configs/default.json's optimizer, here for both the plain loops and the engine.
-ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001, "fused": True}
-
-Step = Callable[[], object]
 
 
 @dataclass(frozen=True)
@@ -108,37 +86,6 @@ class Result:
     bf16_speedup: float | None = None  # bf16-weights rows: their tokens/s over our plain loop's
 
 
-def synchronized(step: Step, device: str) -> Step:
-    """`step`, returning only once the device has finished its work: a GPU runs asynchronously, and
-    a step timed without this measures the host queueing kernels."""
-    if not device.startswith("cuda"):
-        return step
-
-    def step_and_wait() -> None:
-        step()
-        torch.cuda.synchronize(device)
-
-    return step_and_wait
-
-
-def to_device(batch: MicroBatch, device: str) -> MicroBatch:
-    """`batch`'s tensors on `device`."""
-    (src_tokens, prev_output_tokens), target = batch
-    return (src_tokens.to(device), prev_output_tokens.to(device)), target.to(device)
-
-
-def time_steps(step: Step, warmup: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` calls of `step`, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        tick = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - tick)
-    return times
-
-
 def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...], warmup: int, repeats: int, device: str = "cpu") -> float:
     """FLOP/s of the fastest torch.mm of two n x n matrices (2 n^3 FLOPs) over `sizes` on `device`: what
     its BLAS reaches at this precision (and on a CPU, thread count), the ceiling for a training step."""
@@ -172,46 +119,6 @@ def model_flops(cfg: ModelConfig, src_len: int, tgt_len: int, batch: int) -> flo
     return float(weights + attention)
 
 
-def synthetic_batch(vocab: int, batch: int, src_len: int, tgt_len: int) -> MicroBatch:
-    """`batch` random pairs in the training layout (corpus.batches.collate), every one exactly src_len
-    and tgt_len tokens long with eos."""
-    gen = torch.Generator().manual_seed(1)
-    src = torch.randint(NUM_SPECIAL, vocab, (batch, src_len - 1), generator=gen)
-    tgt = torch.randint(NUM_SPECIAL, vocab, (batch, tgt_len - 1), generator=gen)
-    return collate(list(zip(src, tgt, strict=True)))
-
-
-def weights_dtype(precision: str) -> torch.dtype:
-    """What a plain loop holds its parameters in: bf16 only for pure bf16 (autocast keeps fp32 weights)."""
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def plain_loop(
-    model: nn.Module,
-    logits: Callable[..., torch.Tensor],
-    batch: MicroBatch,
-    precision: str,
-    device: str,
-    micro_batches: int = 1,
-) -> Step:
-    """One optimizer step of the single-process training loop: AdamW, label-smoothed loss, gradients
-    accumulated over `micro_batches` passes of `batch`. `model` is already on `device` in
-    weights_dtype(precision)."""
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
-    (src_tokens, prev_output_tokens), target = to_device(batch, device)
-    autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=precision == "autocast")
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(micro_batches):
-            with autocast:
-                loss = label_smoothed_cross_entropy(logits(src_tokens, prev_output_tokens), target)
-            (loss / micro_batches).backward()
-        optimizer.step()
-
-    return synchronized(step, device)
-
-
 @contextlib.contextmanager
 def fathom_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
     model = Transformer(cfg).to(device, weights_dtype(precision)).train()
@@ -241,26 +148,6 @@ def torchscale_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device:
     yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch, precision, device)
 
 
-def init_single_process(device: str = "cpu") -> None:
-    """torch.distributed for this one process (world size 1; gloo on a CPU, nccl on a GPU), which the
-    engine needs. Not pipeline.launched.init_distributed: that one sets torch's thread count for
-    launched ranks, and here every system must run with the same threads."""
-    if dist.is_initialized():
-        return
-    # DeepSpeed's engine places itself on its accelerator's device LOCAL_RANK: cuda:N's N.
-    local_rank = torch.device(device).index or 0
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-        "LOCAL_RANK": str(local_rank),
-    })  # fmt: skip
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        deepspeed.init_distributed(dist_backend="nccl")
-        return
-    deepspeed.init_distributed(dist_backend="gloo")
-    release_shm_buffer()  # DeepSpeed's CPU all-reduce segment in /dev/shm, which it never removes
-
-
 def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
     """The plain loop's step as a DeepSpeed pipeline config: one stage, one micro-batch per step,
     no activation checkpointing, torch's AdamW, no LR schedule, no gradient clipping. bf16 as training
@@ -278,37 +165,6 @@ def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
     }
 
 
-def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
-    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; what fathom replaces in
-    a built engine, use_deepspeeds_own (tools/step_profile.py) puts back."""
-    ds = copy.deepcopy(ds)
-    ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
-    ds["timers"] = {"throughput": {"enabled": True}}
-    return ds
-
-
-@contextlib.contextmanager
-def built_engine(
-    cfg: ModelConfig, ds: dict[str, Any], device: str, deepspeeds: bool = False
-) -> Iterator[deepspeed.PipelineEngine]:
-    """scripts/train.py's engine of `cfg` with DeepSpeed config `ds` at one stage, in this process, on its
-    accelerator's device (init_single_process puts that on `device`); train_batch moves batches there.
-    `deepspeeds`: built with DeepSpeed's own values where fathom picks others (deepspeeds_settings), once
-    `ds` passed the run's checks, which refuse one of them (the throughput timer) in a config."""
-    init_single_process(device)
-    check_deepspeed(ds, cfg, world_size=1)
-    if deepspeeds:
-        ds = deepspeeds_settings(ds)
-    # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
-    with contextlib.redirect_stdout(io.StringIO()):
-        engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))
-    yield engine
-    # The engine keeps the last logits (pipe_buffers) and loss; their autograd graph holds DeepSpeed's
-    # backward hooks, which hold the engine: a cycle through C++ that gc cannot see, so every engine
-    # (weights, optimizer state) would stay in memory until the process ends.
-    clear_pipe_buffers(engine)
-
-
 @contextlib.contextmanager
 def deepspeed_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device: str) -> Iterator[Step]:
     with built_engine(cfg, deepspeed_config(batch[1].size(0), bf16=precision != "fp32"), device) as engine:
@@ -324,30 +180,6 @@ BUILDERS: dict[str, Builder] = {
     "compiled": compiled_step,
     "bf16-weights": bf16_weights_step,
 }
-
-
-def check_device(device: str, engine: bool) -> None:
-    """`device` is the CPU or a CUDA GPU this machine has; with `engine`, also the device DeepSpeed's
-    engine will run on (its accelerator's, chosen when deepspeed is imported)."""
-    try:
-        kind = torch.device(device)
-    except RuntimeError:
-        kind = None
-    if kind is None or kind.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device}: not a device here; choose cpu, cuda or cuda:N")
-    if kind.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {device}: torch sees no CUDA GPU on this machine; run on one or use --device cpu"
-            )
-        if (kind.index or 0) >= torch.cuda.device_count():
-            raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} GPUs (cuda:0 on)")
-    accelerator = get_accelerator().device_name()
-    if engine and accelerator != kind.type:
-        raise ConfigError(
-            f"--device {device}: DeepSpeed's engine would run on its accelerator, {accelerator}; "
-            f"set DS_ACCELERATOR={kind.type} to time it there"
-        )
 
 
 def check(bench: Bench) -> None:
@@ -429,86 +261,3 @@ def compare(results: list[Result]) -> None:
             r.compile_speedup = ours[r.depth].step_s / r.step_s
         elif r.system == "bf16-weights":
             r.bf16_speedup = r.tokens_per_s / ours[r.depth].tokens_per_s
-
-
-SUMMARY_SYSTEMS = ("fathom", "bf16-weights", "torchscale", "deepspeed")  # gpu_check.sh's bench columns
-
-
-def host(profile: dict[str, Any]) -> str:
-    """A profiled system's host time per layer and micro-batch (a StepProfile as its JSON has it)."""
-    return f"{profile['step_s'] / profile['layer_passes'] * 1e3:.3f} ms"
-
-
-def busy(profile: dict[str, Any]) -> str:
-    """The fraction of a profiled system's step the GPU spent running kernels."""
-    return f"{profile['kernel_s'] / profile['step_s']:.1%}"
-
-
-def gpu_check_summary(out: Path) -> str:
-    """scripts/gpu_check.sh's results in `out` as one markdown table: each bench shape's tokens/s and MFU
-    (of the matmul peak) per system, the profile's host ms per layer and micro-batch and GPU-busy
-    fraction, the 500L run's seconds per step and tests/test_gpu.py's outcome. Every piece shows its
-    exit status where it failed (124: its timeout)."""
-    if not out.is_dir():
-        raise ConfigError(f"--summarize {out}: not a directory; name the OUT_DIR scripts/gpu_check.sh wrote")
-
-    def status(name: str) -> str:
-        rc = out / f"{name}.rc"
-        code = rc.read_text().strip() if rc.exists() else "not run"
-        return "" if code == "0" else f"exit {code}"
-
-    rows = [["check", "fathom / plain", "bf16-weights", "torchscale", "engine", "engine / plain"]]
-    for rc in sorted(out.glob("bench*.rc")):
-        if not (result := rc.with_suffix(".json")).exists():
-            rows.append([rc.stem, status(rc.stem), "", "", "", ""])
-            continue
-        record = json.loads(result.read_text())
-        model, by_system = record["bench"]["model"], {r["system"]: r for r in record["results"]}
-        cells = [
-            f"{r['tokens_per_s']:,.0f} tok/s, MFU {r['peak_fraction']:.1%}" if (r := by_system.get(s)) else "-"
-            for s in SUMMARY_SYSTEMS
-        ]
-        ratio = (
-            f"x{by_system['deepspeed']['step_s'] / by_system['fathom']['step_s']:.2f}"
-            if "deepspeed" in by_system
-            else ""
-        )
-        shape = f"{model['encoder_layers']}L-{model['decoder_layers']}L d{model['embed_dim']} ffn{model['ffn_dim']}"
-        rows.append([f"bench {shape} batch {record['bench']['batch']}", *cells, ratio])
-    profile = out / "profile.json"
-    profiles = json.loads(profile.read_text())["results"] if profile.exists() else []
-    for depth in sorted({r["depth"] for r in profiles}):
-        by_system = {r["system"]: r for r in profiles if r["depth"] == depth}
-        plain, engine = by_system["plain"], by_system["engine"]
-        name = f"profile {depth}L-{depth}L"
-
-        vs_plain = {system: f"x{r['step_s'] / plain['step_s']:.2f}" for system, r in by_system.items()}
-        others = {"engine-deepspeed": "DeepSpeed's settings", "plain-checkpointed": "plain checkpointed"}
-        ratio = vs_plain["engine"]
-        if aside := [f"{what} {vs_plain[s]}" for s, what in others.items() if s in by_system]:
-            ratio += f" ({'; '.join(aside)})"
-        for system, what in (("engine-compiled", "compiled"), ("engine-graphed", "CUDA graphs")):
-            if r := by_system.get(system):
-                ratio += f"; {what} {vs_plain[system]}, {host(r)}, GPU busy {busy(r)}"
-        rows += [[f"{name}: host / layer / micro-batch", host(plain), "", "", host(engine), ratio]]
-        rows += [[f"{name}: GPU busy", busy(plain), "", "", busy(engine), ""]]
-    if not profile.exists():
-        rows.append(["profile", status("profile"), "", "", "", ""])
-    run_dir = out / "run500"
-    # A step's own time is its tokens over its tokens/s; the first two steps warm up.
-    steps = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    seconds = [r["tokens"] / r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
-    steady = seconds[2:] or seconds
-    model = json.loads((run_dir / "config.json").read_text())["model"] if (run_dir / "config.json").exists() else None
-    what = f"train {model['encoder_layers']}L-{model['decoder_layers']}L, 1 GPU" if model else "train500"
-    cell = f"{statistics.median(steady):.2f} s/step (median of {len(steady)})" if steady else ""
-    train_log = out / "train500.txt"
-    # A run stopped before its first save leaves no run directory: its log says how far it got.
-    if not steady and train_log.exists():
-        if logged := re.findall(r"^step (\d+/\d+) ", train_log.read_text(), re.MULTILINE):
-            cell = f"stopped after step {logged[-1]}"
-    rows.append([what, "", "", "", " ".join(filter(None, (cell, status("train500")))), ""])
-    test_log = out / "test_gpu.txt"
-    last = test_log.read_text().strip().splitlines()[-1:] if test_log.exists() else []
-    rows.append(["tests/test_gpu.py", "", "", "", " ".join(filter(None, (*last, status("test_gpu")))), ""])
-    return markdown_table(rows[0], rows[1:])

@@ -60,7 +60,7 @@ def test_describe_lets_through_a_step_whose_loss_and_gradients_are_finite():
     ("override", "message"),
     [
         ("train.on_nonfinite=ignore", "train.on_nonfinite: 'ignore'; choose one of stop, skip"),
-        ("train.grad_norm_interval=-1", "train.grad_norm_interval: must be at least 0, got -1"),
+        ("train.grad_norm_interval=-1", "train.grad_norm_interval: must be at least 0 (0: never), got -1"),
     ],
 )
 def test_bad_divergence_settings_are_one_line_errors(override, message):

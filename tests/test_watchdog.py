@@ -80,7 +80,7 @@ def test_all_alive_at_the_same_point_blames_no_rank():
 
 
 def test_hang_timeout_is_checked():
-    with pytest.raises(ConfigError, match=r"^train.hang_timeout: must be at least 10 seconds, got 5$"):
+    with pytest.raises(ConfigError, match=r"^train.hang_timeout: must be at least 10 seconds, got 5.0$"):
         load_config(DEFAULT, ["train.hang_timeout=5"], world_size=2)
     assert load_config(DEFAULT, world_size=2).train.hang_timeout == 1800
 

@@ -6,7 +6,6 @@ the check that a device is one this machine has, and the one DeepSpeed's engine 
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import os
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from fathom.common.errors import ConfigError
 from fathom.common.ports import free_port
 from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_values import check_deepspeed
+from fathom.pipeline.config.engine_defaults import deepspeeds_own
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from fathom.pipeline.engine.internals import clear_pipe_buffers
 from fathom.pipeline.launch.distributed import release_shm_buffer
@@ -47,27 +47,18 @@ def init_single_process(device: str = "cpu") -> None:
     release_shm_buffer()  # DeepSpeed's CPU all-reduce segment in /dev/shm, which it never removes
 
 
-def deepspeeds_settings(ds: dict[str, Any]) -> dict[str, Any]:
-    """`ds` with DeepSpeed's own values where fathom's engine_config picks others; what fathom replaces in
-    a built engine, use_deepspeeds_own (tools/step_profile.py) puts back."""
-    ds = copy.deepcopy(ds)
-    ds.setdefault("zero_optimization", {})["contiguous_gradients"] = True
-    ds["timers"] = {"throughput": {"enabled": True}}
-    return ds
-
-
 @contextlib.contextmanager
 def built_engine(
     cfg: ModelConfig, ds: dict[str, Any], device: str, deepspeeds: bool = False
 ) -> Iterator[deepspeed.PipelineEngine]:
     """scripts/train.py's engine of `cfg` with DeepSpeed config `ds` at one stage, in this process, on its
     accelerator's device (init_single_process puts that on `device`); train_batch moves batches there.
-    `deepspeeds`: built with DeepSpeed's own values where fathom picks others (deepspeeds_settings), once
-    `ds` passed the run's checks, which refuse one of them (the throughput timer) in a config."""
+    `deepspeeds`: built with DeepSpeed's own values where fathom picks others for speed (engine_defaults'
+    deepspeeds_own), once `ds` passed the run's checks, which refuse one of them (the throughput timer)."""
     init_single_process(device)
     check_deepspeed(ds, cfg, world_size=1)
     if deepspeeds:
-        ds = deepspeeds_settings(ds)
+        ds = deepspeeds_own(ds)
     # DeepSpeed prints its layer list and bf16 memory reports while it builds the engine: not here.
     with contextlib.redirect_stdout(io.StringIO()):
         engine = build_engine(RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(), deepspeed=ds))

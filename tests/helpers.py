@@ -31,14 +31,14 @@ def launch_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def rank_environment(rank: int, processes: int, port: int) -> dict[str, str]:
+def rank_environment(rank: int, processes: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """What `deepspeed --num_gpus N` gives rank `rank` of a one-node job on CPUs: its launch.py sets the
     world and the visible devices on top of the caller's environment
     (test_launch.py::test_launch_gives_ranks_the_environment_deepspeed_gives_them compares the two)."""
     world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes), "RANK": str(rank),
              "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(processes), "CROSS_RANK": "0", "CROSS_SIZE": "1",
              "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(processes)))}  # fmt: skip
-    return {**launch_env(), **world}
+    return {**launch_env(), **(env or {}), **world}
 
 
 def rank_command(script: str | Path, rank: int, *args: str) -> list[str]:
@@ -56,13 +56,19 @@ class Job(subprocess.CompletedProcess):
 
 
 def launch(
-    script: str | Path, *args: str, processes: int = 2, timeout: int = 600, file_size_limit: int | None = None
+    script: str | Path,
+    *args: str,
+    processes: int = 2,
+    timeout: int = 600,
+    file_size_limit: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Job:
     """Runs a script as `processes` CPU ranks of one job, each started as `deepspeed --num_gpus N` starts it,
     without the launcher's two processes in front: each imports torch and DeepSpeed, 7 of a launch's 24
     CPU-seconds and 10 of its 20 s. As DeepSpeed's launch.py does, a rank that fails ends the others
     (SIGTERM), and the job's status is that rank's. With `file_size_limit` (bytes) no rank can write a file
-    past it, as on a full disk. Tests of the launcher itself use `deepspeed_launch`."""
+    past it, as on a full disk; `env` is added to every rank's environment. Tests of the launcher itself use
+    `deepspeed_launch`."""
 
     def limit_file_size() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -73,7 +79,7 @@ def launch(
             subprocess.Popen(
                 rank_command(script, rank, *args),
                 cwd=ROOT,
-                env=rank_environment(rank, processes, port),
+                env=rank_environment(rank, processes, port, env),
                 stdout=out,
                 stderr=err,
                 text=True,

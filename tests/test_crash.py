@@ -87,30 +87,38 @@ def assert_latest_whole(save_dir: Path) -> None:
         assert file_damage(checkpoint / name, entry, read=True) is None
 
 
+def remove_shm_segments(port: int) -> None:
+    for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        segment.unlink()  # a rank killed before it released its shm segment
+
+
 def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
-    """One launch of the run that dies: by an injected crash (FATHOM_CRASH) or a SIGKILL from here.
-    Returns what happened, for the failure message."""
+    """One launch of the run that dies: by an injected crash (FATHOM_CRASH), which a rank started as the
+    launcher starts it meets by itself, or by a SIGKILL from here through the real launcher, which must then
+    end every rank. Returns what happened, for the failure message."""
+    if kill.startswith("inject "):
+        job = launch(WORKER, *run_args(save_dir), env={"FATHOM_CRASH": kill.removeprefix("inject ")})
+        remove_shm_segments(job.port)
+        assert job.returncode != 0, f"{kill}: the run was not killed\n{job.stdout[-3000:]}"
+        return f"{kill}: crashed after {steps_done(save_dir)} logged steps, latest {latest_tag(save_dir)}"
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if kill.startswith("inject "):
-        env["FATHOM_CRASH"] = kill.removeprefix("inject ")
     proc = subprocess.Popen(command(save_dir, port), cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        if not kill.startswith("inject "):
-            # A random moment 1-3 steps into this launch: mid-step, mid-save or mid-validation.
-            target = steps_done(save_dir) + rng.randint(1, 3)
-            deadline = time.monotonic() + 120
-            while steps_done(save_dir) < target and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.3))
-            if proc.poll() is not None:
-                ended = proc.stdout.read()[-4000:]
-                pytest.fail(f"{kill}: the run ended ({proc.returncode}) before it was killed\n{ended}")
-            if kill == "job":
-                os.killpg(proc.pid, signal.SIGKILL)
-            else:
-                os.kill(rank_pids(save_dir)[int(kill.removeprefix("rank "))], signal.SIGKILL)
+        # A random moment 1-3 steps into this launch: mid-step, mid-save or mid-validation.
+        target = steps_done(save_dir) + rng.randint(1, 3)
+        deadline = time.monotonic() + 120
+        while steps_done(save_dir) < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        if proc.poll() is not None:
+            ended = proc.stdout.read()[-4000:]
+            pytest.fail(f"{kill}: the run ended ({proc.returncode}) before it was killed\n{ended}")
+        if kill == "job":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(rank_pids(save_dir)[int(kill.removeprefix("rank "))], signal.SIGKILL)
         output, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -119,8 +127,7 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
         for pid in rank_pids(save_dir).values():  # the launcher must not leave a rank behind
             os.kill(pid, signal.SIGKILL)
             pytest.fail(f"{kill}: rank process {pid} outlived its launcher")
-        for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            segment.unlink()  # a rank killed before it released its shm segment
+        remove_shm_segments(port)
     assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
     return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {latest_tag(save_dir)}"
 

@@ -173,20 +173,21 @@ def kill_after_step(command: list[str], run: Path, step: int) -> None:
 
 @pytest.mark.slow
 def test_a_killed_run_resumed_on_each_new_shape_follows_the_uninterrupted_run(tmp_path):
-    """2x1, killed, then --resume as 1x2 (2 -> 1 stages, 1 -> 2 replicas), 2x1 (1 -> 2 stages, 2 -> 1
-    replicas), 3x1 (2 -> 3), 2x1 (3 -> 2), then 2x1 cut by decoder layers instead of by cost (the same stage
-    count), 4 steps on from there: a state lost in a reshape shows in the next step's loss."""
+    """2x1, killed, then --resume as 1x2 (2 -> 1 stages, 1 -> 2 replicas), 3x1 (1 -> 3 stages, 2 -> 1
+    replicas), then 2x1 cut by decoder layers instead of by cost (3 -> 2 stages, other cuts), on to step 10:
+    a state lost in a reshape shows in the next step's loss."""
     steps = 10
     full, cut = tmp_path / "full", tmp_path / "cut"
     train("2x1", full, f"train.max_steps={steps}", f"train.save_interval={steps}")
     kill_after_step(train_command("2x1", cut, f"train.max_steps={steps}", "train.save_interval=2"), cut, 3)
     step = latest_step(cut)
     assert step >= 2
-    for shape in ("1x2", "2x1", "3x1", "2x1", "2x1 by decoder layers"):
+    for shape in ("1x2", "3x1", "2x1 by decoder layers"):
         step = step + 1 if shape != "2x1 by decoder layers" else steps
         out = train(shape, cut, f"train.max_steps={step}", "train.save_interval=1", "--resume")
         assert "fathom: resuming global_step" in out, out
     differences = relative_differences(full, cut)
+    print(f"largest relative loss difference: {max(differences.values()):.1e}")
     assert max(differences.values()) <= TOLERANCE, differences
     assert not list(cut.glob(f"*{UNIVERSAL}")), "the universal copies outlived the next checkpoint"
     left = [p.name for p in cut.iterdir() if p.name == "latest_universal" or p.name.endswith(".tmp")]

@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from fathom.common.ports import free_port
+from fathom.common import ports
 from fathom.common.repo import ROOT
+
+
+def free_port() -> int:
+    """A free port from this pytest-xdist worker's own share of the range, so that jobs the two workers start
+    at the same moment never meet on one port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = (ports.ephemeral_start() - ports.LOWEST) // workers
+    return ports.free_port(ports.LOWEST + worker * share, ports.LOWEST + (worker + 1) * share)
 
 
 def launcher_command(script: str | Path, *args: str, processes: int = 2) -> list[str]:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fathom.common.ports import free_port
-from tests.helpers import ROOT, assert_same_training, final_layers, logged_steps
+from tests.helpers import ROOT, assert_same_training, final_layers, free_port, logged_steps
 
 pytestmark = pytest.mark.slow
 

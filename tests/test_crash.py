@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from fathom.common.checkpoint_format import MANIFEST, file_damage, read_manifest
-from fathom.common.ports import free_port
 from fathom.common.run_layout import LATEST, latest_tag, linked_best, tag_step
 from fathom.pipeline.checkpoint import saving
-from tests.helpers import ROOT, assert_same_training, launch
+from tests.helpers import ROOT, assert_same_training, free_port, launch
 
 pytestmark = pytest.mark.slow
 

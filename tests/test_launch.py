@@ -3,11 +3,13 @@
 import io
 import json
 import os
+import socket
 import sys
 
 import pytest
 from deepspeed.launcher import runner
 
+from fathom.common import ports
 from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline.launch import command as launch_command
 from fathom.pipeline.launch.distributed import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
@@ -250,3 +252,27 @@ def test_mpirun_without_mpi4py_is_one_line(monkeypatch, under_mpirun):
         check_mpi_discovery()
     monkeypatch.setenv("RANK", "0")  # a deepspeed or torchrun launch needs no MPI discovery
     check_mpi_discovery()
+
+
+def test_a_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """The kernel hands out ephemeral ports to gloo's listeners and connections and to other jobs' port 0:
+    a master port from that range could be taken before the rank binds it (two jobs met on one and hung)."""
+    low = ports.LOWEST + 300
+    chosen = {ports.free_port(low, low + 100) for _ in range(50)}
+    assert all(low <= port < low + 100 for port in chosen) and len(chosen) > 10
+    assert ports.LOWEST <= ports.free_port() < ports.ephemeral_start()
+    listeners = []
+    for port in range(low, low + 100):  # every port of the range in use: none is handed out
+        listener = socket.socket()
+        try:
+            listener.bind(("127.0.0.1", port))
+            listener.listen()
+        except OSError:  # in use already
+            pass
+        listeners.append(listener)
+    try:
+        with pytest.raises(OSError, match="no free TCP port"):
+            ports.free_port(low, low + 100)
+    finally:
+        for listener in listeners:
+            listener.close()

@@ -12,9 +12,8 @@ import pytest
 
 from fathom.common.cli import versions
 from fathom.common.errors import ConfigError
-from fathom.common.ports import free_port
 from fathom.pipeline.config.run_config import config_file, load_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 # What a working directory may hold: nanoGPT's model.py, a project's common.py and tools/ package.
 SHADOWS = {"model.py": "", "common.py": "", "tools/__init__.py": "", "pipeline/__init__.py": ""}

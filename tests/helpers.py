@@ -18,6 +18,7 @@ import pytest
 
 from fathom.common import ports
 from fathom.common.repo import ROOT
+from tests import warm_ranks
 
 
 def free_port() -> int:
@@ -73,29 +74,17 @@ def launch(
     env: dict[str, str] | None = None,
 ) -> Job:
     """Runs a script as `processes` CPU ranks of one job, each started as `deepspeed --num_gpus N` starts it,
-    without the launcher's two processes in front: each imports torch and DeepSpeed, 7 of a launch's 24
-    CPU-seconds and 10 of its 20 s. As DeepSpeed's launch.py does, a rank that fails ends the others
-    (SIGTERM), and the job's status is that rank's. With `file_size_limit` (bytes) no rank can write a file
-    past it, as on a full disk; `env` is added to every rank's environment. Tests of the launcher itself use
-    `deepspeed_launch`."""
-
-    def limit_file_size() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
+    without the launcher's two processes in front, and warm (tests/warm_ranks.py). As DeepSpeed's
+    launch.py does, a rank that fails ends the others (SIGTERM), and the job's status is that rank's.
+    With `file_size_limit` (bytes) no rank can write a file past it, as on a full disk; `env` is added to
+    every rank's environment. Tests of the launcher itself use `deepspeed_launch`."""
     port, deadline = free_port(), time.monotonic() + timeout
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        ranks = [
-            subprocess.Popen(
-                rank_command(script, rank, *args),
-                cwd=ROOT,
-                env=rank_environment(rank, processes, port, env),
-                stdout=out,
-                stderr=err,
-                text=True,
-                preexec_fn=limit_file_size if file_size_limit else None,
-            )  # fmt: skip
-            for rank in range(processes)
-        ]
+    with tempfile.TemporaryDirectory() as outputs:
+        out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
+        out.touch()
+        err.touch()
+        ranks = [start_rank(script, rank, processes, port, list(args), env, out, err, file_size_limit)
+                 for rank in range(processes)]  # fmt: skip
         try:
             status = wait_for_ranks(ranks, deadline)
         finally:
@@ -105,11 +94,25 @@ def launch(
                     rank.wait()
         if status is None:
             raise subprocess.TimeoutExpired(ranks[0].args, timeout)
-        out.seek(0)
-        err.seek(0)
-        result = Job(ranks[0].args, status, out.read(), err.read(), port)
+        result = Job(ranks[0].args, status, out.read_text(), err.read_text(), port)
     show_if_failed(result)
     return result
+
+
+def start_rank(
+    script: str | Path, rank: int, processes: int, port: int, args: list[str], env: dict[str, str] | None,
+    out: Path, err: Path, file_size_limit: int | None,
+) -> subprocess.Popen | warm_ranks.WarmRank:  # fmt: skip
+    command, environment = rank_command(script, rank, *args), rank_environment(rank, processes, port, env)
+    if not warm_ranks.cold():
+        return warm_ranks.start_rank(command, rank, ROOT, environment, out, err, file_size_limit)
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    with open(out, "a") as stdout, open(err, "a") as stderr:
+        return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=stdout, stderr=stderr, text=True,
+                                preexec_fn=limit_file_size if file_size_limit else None)  # fmt: skip
 
 
 def wait_for_ranks(ranks: list[subprocess.Popen], deadline: float) -> int | None:

@@ -14,9 +14,10 @@ from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline.launch import command as launch_command
 from fathom.pipeline.launch.distributed import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from fathom.pipeline.train import main as train_main
-from tests.helpers import ROOT, deepspeed_launch, launch
+from tests.helpers import ROOT, assert_same_training, deepspeed_launch, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
+TRAIN = ROOT / "scripts" / "train.py"
 
 
 @pytest.fixture
@@ -127,9 +128,10 @@ def test_world_size_follows_the_runners_resource_rules(tmp_path):
 
 @pytest.mark.slow
 def test_launch_gives_ranks_the_environment_deepspeed_gives_them(tmp_path):
-    """tests/helpers.py's launch starts a job's ranks without the deepspeed launcher's processes (the suite
-    launches about a hundred jobs): each rank must get the arguments, the unbuffered Python and the
-    environment, variable for variable, the launcher gives it, but for the port."""
+    """tests/helpers.py's launch starts a job's ranks without the deepspeed launcher's processes, forked
+    from warm servers (tests/warm_ranks.py): each rank must get the arguments, the unbuffered Python, the
+    working directory, the import path and the environment, variable for variable, the launcher gives
+    it, but for the port; and its ranks hash strings differently, as separate interpreters do."""
     script, args = ROOT / "tests" / "workers" / "environment.py", (str(tmp_path), "--config", "x.json")
 
     def ranks(result) -> dict[str, dict]:
@@ -142,12 +144,28 @@ def test_launch_gives_ranks_the_environment_deepspeed_gives_them(tmp_path):
 
     real, ours = ranks(deepspeed_launch(script, *args)), ranks(launch(script, *args))
     assert sorted(real) == sorted(ours) == ["rank0.json", "rank1.json"]
+    assert real["rank0.json"].pop("hash") != real["rank1.json"].pop("hash")
+    assert ours["rank0.json"].pop("hash") != ours["rank1.json"].pop("hash")
     for rank in real:
         env, our_env = real[rank].pop("env"), ours[rank].pop("env")
         differing = {key: (env.get(key), our_env.get(key)) for key in env.keys() | our_env.keys()
                      if env.get(key) != our_env.get(key)}  # fmt: skip
         assert not differing, f"{rank}: variable: (deepspeed's, ours): {differing}"
         assert ours[rank] == real[rank]
+
+
+@pytest.mark.slow
+def test_warm_ranks_train_as_new_interpreters_do(tmp_path, monkeypatch):
+    """The suite's jobs run on forked warm ranks: a job of them gives the losses, grad norms and final
+    weights, bit for bit, of the same job started as new interpreters (FATHOM_TEST_COLD_RANKS=1)."""
+    runs = {}
+    for kind in ("cold", "warm"):
+        monkeypatch.setenv("FATHOM_TEST_COLD_RANKS", "1" if kind == "cold" else "0")
+        runs[kind] = tmp_path / kind
+        overrides = ["model.encoder_layers=2", "model.decoder_layers=2", "train.max_steps=3",
+                     "train.log_interval=1", f"train.save_dir={runs[kind]}"]  # fmt: skip
+        assert launch(TRAIN, "--config", str(DEFAULT), "--override", *overrides).returncode == 0
+    assert_same_training(runs["cold"], runs["warm"])
 
 
 ENVIRONMENTS = {

@@ -101,8 +101,8 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
 
     from fathom.translation.generate import translate_split
 
-    hypotheses, references, _ = translate_split(save_dir, cfg.data.directory, "valid", device="cpu", search=spec.search)
-    return BLEU().corpus_score(hypotheses, [references]).score
+    split = translate_split(save_dir, cfg.data.directory, "valid", device="cpu", search=spec.search)
+    return BLEU().corpus_score(split.hypotheses, [split.references]).score
 
 
 def train(spec: StudySpec, cell: Cell, cfg: RunConfig, data: dict[str, Any]) -> dict[str, Any]:

@@ -462,6 +462,7 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     result = subprocess.run([sys.executable, "scripts/generate.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
+    assert lines[-4].startswith("tokenized BLEU = ") and lines[-4].endswith("[moses tokenizer, multi-bleu, en]")
     assert lines[-3].startswith("BLEU = ") and lines[-2].startswith("chrF2 = ")
     assert lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert len(output.read_text().splitlines()) == 50
@@ -500,4 +501,4 @@ def test_validation_bleu_keeps_the_best_checkpoint_and_equals_generate(tmp_path,
     result = subprocess.run([sys.executable, "scripts/generate.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert output.read_text() == (save / "translations" / f"valid-step{best_step}.txt").read_text()
-    assert result.stdout.splitlines()[1].startswith(f"BLEU = {valid[-1]['best_valid_bleu']:.2f} ")
+    assert result.stdout.splitlines()[2].startswith(f"BLEU = {valid[-1]['best_valid_bleu']:.2f} ")

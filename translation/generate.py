@@ -1,4 +1,4 @@
-"""Translate a prepared split with a pipeline checkpoint and score it with sacreBLEU.
+"""Translate a prepared split with a pipeline checkpoint and score it as the papers do.
 
     python scripts/generate.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --subset test \\
         [--beam 4] [--lenpen 1.0] [--batch-size 64] [--output FILE]
@@ -7,8 +7,9 @@ The checkpoint (any depth, any stage count) loads into the single-process model 
 in fairseq-generate's batches (corpus/batches.py's fairseq_batches), whose longest source sets each
 batch's output limit: the hypotheses are fairseq-generate's on the exported model given the same
 --beam, --lenpen, --max-len-a, --max-len-b and --batch-size. Hypotheses are detokenized with the data's
-SentencePiece model and scored against the split's raw references (cased, detokenized, sacreBLEU's
-default 13a tokenizer). The last line printed is the signature.
+SentencePiece model and scored against the split's raw references: tokenized BLEU as the WMT papers
+report it (multi-bleu.perl on Moses-tokenized text, German compounds split), then sacreBLEU's BLEU and
+chrF (cased, detokenized, 13a) (translation/scoring.py). The last line printed is sacreBLEU's signature.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from fathom.corpus.batches import fairseq_batches
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.corpus.text import read_lines
 from fathom.model.search import SearchConfig
-from fathom.translation.translate import Translator, add_model_args, print_scores, search_config
+from fathom.translation.scoring import print_scores
+from fathom.translation.translate import Translator, add_model_args, search_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +51,7 @@ def split_batches(corpus: BinarizedCorpus, count: int, size: int) -> list[list[i
 class Translated(NamedTuple):
     hypotheses: list[str]  # detokenized, in the split's order
     references: list[str]  # the split's raw target lines
+    lang: str  # the target language
     seconds: float  # the search's time
 
 
@@ -74,7 +77,8 @@ def translate_split(
     batches = split_batches(corpus, len(corpus), translator.search_cfg.batch_size)
     found = translator.search(sources, batches, f"translating {subset}")
     seconds = time.perf_counter() - tick
-    return Translated([translator.detokenize(h) for h in found], read_lines(corpus.references()), seconds)
+    hypotheses = [translator.detokenize(h) for h in found]
+    return Translated(hypotheses, read_lines(corpus.references()), translator.data.tgt, seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_blocks()
     output = Path(args.output or Path(args.checkpoint) / f"generate-{args.subset}.txt")
     with exit_on_config_error():
-        hypotheses, references, seconds = translate_split(
+        hypotheses, references, lang, seconds = translate_split(
             args.checkpoint, args.data, args.subset, args.tag, args.device, args.precision, search_config(args), output
         )
         write_atomic(output, "".join(h + "\n" for h in hypotheses))
     print(f"wrote {len(hypotheses)} hypotheses to {output}; decoding took {seconds:.1f} s")
-    print_scores(hypotheses, references, file=sys.stdout)
+    print_scores(hypotheses, references, lang, sys.stdout)

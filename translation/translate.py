@@ -8,7 +8,8 @@ One sentence a line, from --input or stdin, to --output or stdout, in input orde
 (--device, --precision); sentences are batched by length. A line that shows nothing (empty, blanks,
 zero-width characters) gives an empty line; a line longer than the model's positions is cut to fit,
 with one warning line naming it. With
---reference, sacreBLEU's BLEU and chrF and the signature follow on stderr.
+--reference, the scores follow on stderr: tokenized BLEU as the WMT papers report it, then sacreBLEU's
+BLEU and chrF, its signature last (translation/scoring.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
 import sentencepiece as spm
 import torch
-from sacrebleu.metrics import BLEU, CHRF
 from tqdm import tqdm
 
 from fathom.common.cli import command_parser
@@ -38,6 +37,7 @@ from fathom.model.model_config import DTYPES
 from fathom.model.search import Hypothesis, SearchConfig, beam_search
 from fathom.model.trained import load_reference
 from fathom.model.transformer import Transformer
+from fathom.translation.scoring import print_scores
 
 SearchFn = Callable[[Transformer, torch.Tensor, SearchConfig], list[Hypothesis]]
 
@@ -206,15 +206,6 @@ def read_references(path: str, count: int) -> list[str]:
     return references
 
 
-def print_scores(hypotheses: list[str], references: list[str], file: TextIO | None = None) -> None:
-    """sacreBLEU's BLEU and chrF (cased, detokenized, 13a), the signature last; on stderr by default."""
-    file = file or sys.stderr
-    bleu, chrf = BLEU(), CHRF()
-    for line in (bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])):
-        print(line, file=file)
-    print(bleu.get_signature(), file=file)
-
-
 def write_stdout(text: str) -> None:
     """A full disk or a closed pipe is reported here, naming stdout, not by the interpreter at exit."""
     try:
@@ -241,4 +232,4 @@ def main(argv: list[str] | None = None) -> None:
         else:
             write_stdout(text)
     if references is not None:
-        print_scores(translations, references)
+        print_scores(translations, references, translator.data.tgt, sys.stderr)

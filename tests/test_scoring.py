@@ -1,0 +1,70 @@
+"""The two ways a translation is scored (translation/scoring.py), on hand-built cases whose BLEU is worked
+out here by hand; on real text the tokenized BLEU was checked against multi-bleu.perl itself."""
+
+import io
+import math
+
+import pytest
+
+from fathom.translation.scoring import print_scores, split_compounds, tokenized, tokenized_bleu
+
+
+def bleu(*precisions: float, bp: float = 1.0) -> float:
+    return 100 * bp * math.exp(sum(math.log(p) for p in precisions) / 4)
+
+
+def score(line: str) -> float:
+    return float(line.split()[3].rstrip(","))
+
+
+@pytest.mark.parametrize(
+    "line, split",
+    [
+        ("ein Kaffee-Automat", "ein Kaffee ##AT##-##AT## Automat"),
+        ("a-b-c", "a ##AT##-##AT## b-c"),  # perl's s{}{}g: the matches do not overlap
+        ("x - y", "x - y"),
+        ("2-3 Tage", "2 ##AT##-##AT## 3 Tage"),
+        ("-Anfang Ende-", "-Anfang Ende-"),
+    ],
+)
+def test_compounds_split_as_the_papers_scripts_split_them(line, split):
+    assert split_compounds(line) == split
+
+
+def test_the_moses_tokenizer_splits_punctuation_and_only_german_splits_compounds():
+    assert tokenized(['"Ja", sagte der Kaffee-Experte.'], "de") == ['" Ja " , sagte der Kaffee ##AT##-##AT## Experte .']
+    assert tokenized(["Hello, well-known world!"], "en") == ["Hello , well-known world !"]
+
+
+def test_tokenized_bleu_is_multi_bleus_on_hand_built_cases():
+    # 6 words each: 5/6 unigrams, 3/5 bigrams, 2/4 trigrams, 1/3 4-grams match
+    line = tokenized_bleu(["the cat sat on the mat"], ["the cat sat on a mat"], "en")
+    assert score(line) == pytest.approx(bleu(5 / 6, 3 / 5, 2 / 4, 1 / 3), abs=0.005)
+    assert line.endswith("hyp_len=6, ref_len=6) [moses tokenizer, multi-bleu, en]")
+    # every n-gram of a short hypothesis matches: the brevity penalty alone, exp(1 - 6/4)
+    short = tokenized_bleu(["the cat sat on"], ["the cat sat on the mat"], "en")
+    assert score(short) == pytest.approx(bleu(1, 1, 1, 1, bp=math.exp(1 - 6 / 4)), abs=0.005)
+    # no 4-gram matches: multi-bleu.perl does not smooth, the score is 0
+    assert score(tokenized_bleu(["a b c d"], ["a b c e"], "en")) == 0
+
+
+def test_a_german_compound_counts_as_three_tokens():
+    hypothesis, reference = (
+        ["Der Kaffee-Maschine ist seit heute Morgen kaputt."],
+        ["Der Kaffee-Automat ist seit heute Morgen kaputt."],
+    )
+    # split: 10 tokens, of which 9/10, 7/9, 5/8, 3/7 n-grams match; unsplit (English rules): 7/8, 5/7, 4/6, 3/5
+    german = tokenized_bleu(hypothesis, reference, "de")
+    assert score(german) == pytest.approx(bleu(9 / 10, 7 / 9, 5 / 8, 3 / 7), abs=0.005)
+    assert german.endswith("[moses tokenizer, compounds split, multi-bleu, de]")
+    assert score(tokenized_bleu(hypothesis, reference, "en")) == pytest.approx(
+        bleu(7 / 8, 5 / 7, 4 / 6, 3 / 5), abs=0.005
+    )
+
+
+def test_scores_print_tokenized_bleu_then_sacrebleus_with_its_signature_last():
+    out = io.StringIO()
+    print_scores(["Der Hund rennt."], ["Der Hund rennt."], "de", out)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" = ")[0] for line in lines[:3]] == ["tokenized BLEU", "BLEU", "chrF2"]
+    assert score(lines[0]) == 100 and lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")

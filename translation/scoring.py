@@ -1,0 +1,57 @@
+"""How translations are scored, both ways the papers score them, from the same hypotheses and references:
+
+- sacreBLEU's BLEU and chrF on detokenized text, cased, 13a, with sacreBLEU's signature (Post, 2018);
+- tokenized BLEU, as the WMT depth papers report it (BranchNorm, DeepNet, Very Deep Transformers): BLEU of
+  multi-bleu.perl (cased, 4-grams, one reference, no smoothing) on text the Moses tokenizer split, with
+  German hyphenated compounds split as fairseq's compound_split_bleu.sh and tensor2tensor's
+  get_ende_bleu.sh split them ("Kaffee-Automat" -> "Kaffee ##AT##-##AT## Automat"). Its numbers depend on
+  the tokenization, which is why sacreBLEU exists; they are the numbers the papers' tables compare.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TextIO
+
+from sacrebleu.metrics import BLEU, CHRF
+from sacremoses import MosesTokenizer
+
+COMPOUND = re.compile(r"(\S)-(\S)")
+# The target languages whose tokenized BLEU splits compounds: the papers' WMT En-De
+SPLIT_COMPOUNDS = frozenset({"de"})
+
+
+def split_compounds(line: str) -> str:
+    """Every hyphen between two non-blanks as its own token, as the scripts' perl s{(\\S)-(\\S)}{...}g:
+    matches do not overlap, so in "a-b-c" only the first hyphen splits."""
+    return COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+def tokenized(lines: list[str], lang: str) -> list[str]:
+    """Moses-tokenized (tokenizer.perl -l LANG, no escaping), compounds split where the target is German."""
+    tokenizer = MosesTokenizer(lang=lang)
+    out = [tokenizer.tokenize(line, return_str=True, escape=False) for line in lines]
+    return [split_compounds(line) for line in out] if lang in SPLIT_COMPOUNDS else out
+
+
+def tokenized_bleu(hypotheses: list[str], references: list[str], lang: str) -> str:
+    """multi-bleu.perl's line for detokenized `hypotheses` against `references` in language `lang`, with
+    what was done to the text before it was scored."""
+    score = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
+        tokenized(hypotheses, lang), [tokenized(references, lang)]
+    )
+    p1, p2, p3, p4 = score.precisions
+    how = "moses tokenizer" + (", compounds split" if lang in SPLIT_COMPOUNDS else "") + ", multi-bleu"
+    return (
+        f"tokenized BLEU = {score.score:.2f}, {p1:.1f}/{p2:.1f}/{p3:.1f}/{p4:.1f} (BP={score.bp:.3f}, "
+        f"ratio={score.sys_len / score.ref_len:.3f}, hyp_len={score.sys_len}, ref_len={score.ref_len}) [{how}, {lang}]"
+    )
+
+
+def print_scores(hypotheses: list[str], references: list[str], lang: str, file: TextIO) -> None:
+    """The tokenized BLEU, then sacreBLEU's BLEU and chrF, its signature last."""
+    print(tokenized_bleu(hypotheses, references, lang), file=file)
+    bleu, chrf = BLEU(), CHRF()
+    for line in (bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])):
+        print(line, file=file)
+    print(bleu.get_signature(), file=file)

@@ -43,6 +43,7 @@ from fathom.pipeline.checkpoint.run_directory import RunDirectory
 from fathom.pipeline.config.deepspeed_values import precision_warning
 from fathom.pipeline.config.engine_defaults import engine_config
 from fathom.pipeline.config.history import record_config
+from fathom.pipeline.config.inverse_sqrt import client_scheduler
 from fathom.pipeline.config.resume_rules import applied_optimizer_arguments
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.engine import admin_profile
@@ -104,6 +105,7 @@ def build_engine(cfg: RunConfig) -> deepspeed.DeepSpeedEngine:
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=engine_config(cfg.deepspeed),
+            lr_scheduler=client_scheduler(cfg.deepspeed),
         )
     patch_engine(engine)
     return engine

@@ -130,7 +130,8 @@ TYPOS = {
     "optimizer.type=Adamm": "optimizer.type: 'Adamm' is neither DeepSpeed's nor torch's; did you mean 'Adam'?",
     "scheduler.params.warmup_num_step=10": "scheduler.params.warmup_num_step: not an argument of WarmupLR; "
     "did you mean 'warmup_num_steps'?",
-    "scheduler.type=WarmupDecay": "scheduler.type: 'WarmupDecay' is not a DeepSpeed scheduler; use one of",
+    "scheduler.type=WarmupDecay": "scheduler.type: 'WarmupDecay' is neither DeepSpeed's scheduler nor fathom's; "
+    "use one of",
     "zero_optimization.stagee=1": "zero_optimization.stagee: not a key DeepSpeed knows; did you mean 'stage'?",
     "zero_optimization=1": "zero_optimization: DeepSpeed reads it as an object ({...}), got 1",
     "zero_optimization.offload_optimizer.pin_memroy=true": "zero_optimization.offload_optimizer.pin_memroy: not a "

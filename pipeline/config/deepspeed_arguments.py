@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fathom.common.errors import ConfigError, closest
+from fathom.pipeline.config import inverse_sqrt
 
 
 def parameters(*builders: Callable) -> set[str]:
@@ -53,14 +54,16 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
     scheduler = ds.get("scheduler")
     if isinstance(scheduler, dict):
         name = scheduler.get("type")
-        if name not in lr_schedules.VALID_LR_SCHEDULES:
-            choices = ", ".join(lr_schedules.VALID_LR_SCHEDULES)
-            raise ConfigError(f"scheduler.type: {name!r} is not a DeepSpeed scheduler; use one of {choices}")
+        if name not in (*lr_schedules.VALID_LR_SCHEDULES, inverse_sqrt.NAME):
+            choices = ", ".join((*lr_schedules.VALID_LR_SCHEDULES, inverse_sqrt.NAME))
+            raise ConfigError(
+                f"scheduler.type: {name!r} is neither DeepSpeed's scheduler nor fathom's; use one of {choices}"
+            )
         if "params" not in scheduler:
             raise ConfigError(
                 'scheduler.params: missing; give the scheduler\'s arguments, e.g. {"warmup_num_steps": 1000}'
             )
-        builder = getattr(lr_schedules, name)
+        builder = inverse_sqrt.InverseSqrtLR if name == inverse_sqrt.NAME else getattr(lr_schedules, name)
         check_arguments("scheduler", name, scheduler["params"], parameters(builder))
         warmup = scheduler["params"].get(lr_schedules.WARMUP_TYPE)
         rates = sorted({lr_schedules.WARMUP_LINEAR_RATE, lr_schedules.WARMUP_LOG_RATE})

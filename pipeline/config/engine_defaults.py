@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fathom.pipeline.config import inverse_sqrt
+
 
 def _always(ds: dict[str, Any]) -> bool:
     return True
@@ -73,8 +75,11 @@ def _set(config: dict[str, Any], key: str, value: Any, replace: bool) -> None:
 
 def engine_config(ds: dict[str, Any]) -> dict[str, Any]:
     """The config DeepSpeed's engine receives: a copy of the run's with fathom's value of each setting of
-    ENGINE_DEFAULTS that applies to it and that it leaves out."""
+    ENGINE_DEFAULTS that applies to it and that it leaves out, and without fathom's own scheduler, which
+    the engine receives built (inverse_sqrt.client_scheduler)."""
     config = copy.deepcopy(ds)
+    if inverse_sqrt.is_ours(config):
+        del config["scheduler"]
     for default in ENGINE_DEFAULTS:
         if default.applies(ds):
             _set(config, default.key, default.fathoms, replace=False)

@@ -462,7 +462,7 @@ def test_train_on_real_data_then_generate(tmp_path, multi30k_slice):
     result = subprocess.run([sys.executable, "scripts/generate.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[-4].startswith("tokenized BLEU = ") and lines[-4].endswith("[moses tokenizer, multi-bleu, en]")
+    assert lines[-4].startswith("tokenized BLEU = ") and lines[-4].endswith("[moses tokenizer -a, multi-bleu, en]")
     assert lines[-3].startswith("BLEU = ") and lines[-2].startswith("chrF2 = ")
     assert lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert len(output.read_text().splitlines()) == 50

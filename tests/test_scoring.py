@@ -32,15 +32,18 @@ def test_compounds_split_as_the_papers_scripts_split_them(line, split):
 
 
 def test_the_moses_tokenizer_splits_punctuation_and_only_german_splits_compounds():
-    assert tokenized(['"Ja", sagte der Kaffee-Experte.'], "de") == ['" Ja " , sagte der Kaffee ##AT##-##AT## Experte .']
-    assert tokenized(["Hello, well-known world!"], "en") == ["Hello , well-known world !"]
+    # fairseq's test sets: -a splits hyphens, compound_split_bleu.sh then splits the "@-@" of German ones
+    assert tokenized(['"Ja", sagte der Kaffee-Experte.'], "de") == [
+        '" Ja " , sagte der Kaffee @ ##AT##-##AT## @ Experte .'
+    ]
+    assert tokenized(["Hello, well-known world’s!"], "en") == ["Hello , well @-@ known world 's !"]
 
 
 def test_tokenized_bleu_is_multi_bleus_on_hand_built_cases():
     # 6 words each: 5/6 unigrams, 3/5 bigrams, 2/4 trigrams, 1/3 4-grams match
     line = tokenized_bleu(["the cat sat on the mat"], ["the cat sat on a mat"], "en")
     assert score(line) == pytest.approx(bleu(5 / 6, 3 / 5, 2 / 4, 1 / 3), abs=0.005)
-    assert line.endswith("hyp_len=6, ref_len=6) [moses tokenizer, multi-bleu, en]")
+    assert line.endswith("hyp_len=6, ref_len=6) [moses tokenizer -a, multi-bleu, en]")
     # every n-gram of a short hypothesis matches: the brevity penalty alone, exp(1 - 6/4)
     short = tokenized_bleu(["the cat sat on"], ["the cat sat on the mat"], "en")
     assert score(short) == pytest.approx(bleu(1, 1, 1, 1, bp=math.exp(1 - 6 / 4)), abs=0.005)
@@ -48,18 +51,18 @@ def test_tokenized_bleu_is_multi_bleus_on_hand_built_cases():
     assert score(tokenized_bleu(["a b c d"], ["a b c e"], "en")) == 0
 
 
-def test_a_german_compound_counts_as_three_tokens():
+def test_a_german_compound_counts_as_five_tokens():
     hypothesis, reference = (
         ["Der Kaffee-Maschine ist seit heute Morgen kaputt."],
         ["Der Kaffee-Automat ist seit heute Morgen kaputt."],
     )
-    # split: 10 tokens, of which 9/10, 7/9, 5/8, 3/7 n-grams match; unsplit (English rules): 7/8, 5/7, 4/6, 3/5
+    # split: "Kaffee @ ##AT##-##AT## @ Automat", 12 tokens, of which 11/12, 9/11, 7/10, 5/9 n-grams match;
+    # English rules: "Kaffee @-@ Automat", 10 tokens, 9/10, 7/9, 5/8, 3/7
     german = tokenized_bleu(hypothesis, reference, "de")
-    assert score(german) == pytest.approx(bleu(9 / 10, 7 / 9, 5 / 8, 3 / 7), abs=0.005)
-    assert german.endswith("[moses tokenizer, compounds split, multi-bleu, de]")
-    assert score(tokenized_bleu(hypothesis, reference, "en")) == pytest.approx(
-        bleu(7 / 8, 5 / 7, 4 / 6, 3 / 5), abs=0.005
-    )
+    assert score(german) == pytest.approx(bleu(11 / 12, 9 / 11, 7 / 10, 5 / 9), abs=0.005)
+    assert german.endswith("[moses tokenizer -a, compounds split, multi-bleu, de]")
+    english = tokenized_bleu(hypothesis, reference, "en")
+    assert score(english) == pytest.approx(bleu(9 / 10, 7 / 9, 5 / 8, 3 / 7), abs=0.005)
 
 
 def test_scores_print_tokenized_bleu_then_sacrebleus_with_its_signature_last():

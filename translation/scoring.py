@@ -1,11 +1,13 @@
 """How translations are scored, both ways the papers score them, from the same hypotheses and references:
 
 - sacreBLEU's BLEU and chrF on detokenized text, cased, 13a, with sacreBLEU's signature (Post, 2018);
-- tokenized BLEU, as the WMT depth papers report it (BranchNorm, DeepNet, Very Deep Transformers): BLEU of
-  multi-bleu.perl (cased, 4-grams, one reference, no smoothing) on text the Moses tokenizer split, with
-  German hyphenated compounds split as fairseq's compound_split_bleu.sh and tensor2tensor's
-  get_ende_bleu.sh split them ("Kaffee-Automat" -> "Kaffee ##AT##-##AT## Automat"). Its numbers depend on
-  the tokenization, which is why sacreBLEU exists; they are the numbers the papers' tables compare.
+- tokenized BLEU, as the WMT depth papers report it (BranchNorm, DeepNet, Very Deep Transformers, all
+  trained with fairseq): BLEU of multi-bleu.perl (cased, 4-grams, one reference, no smoothing) on text
+  tokenized as fairseq's prepare-wmt14en2de.sh and prepare-wmt14en2fr.sh tokenize the test set (curly
+  apostrophes made straight, the Moses tokenizer with -a, which splits hyphens: "Kaffee @-@ Automat"),
+  and for German, compounds split as fairseq's compound_split_bleu.sh then splits them ("Kaffee @
+  ##AT##-##AT## @ Automat"). Its numbers depend on the tokenization, which is why sacreBLEU exists; they
+  are the numbers the papers' tables compare.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ def split_compounds(line: str) -> str:
 
 
 def tokenized(lines: list[str], lang: str) -> list[str]:
-    """Moses-tokenized (tokenizer.perl -l LANG, no escaping), compounds split where the target is German."""
+    """As fairseq's WMT scripts tokenize a test set (tokenizer.perl -a -l LANG; no escaping, which maps
+    tokens one to one), compounds split where the target is German."""
     tokenizer = MosesTokenizer(lang=lang)
-    out = [tokenizer.tokenize(line, return_str=True, escape=False) for line in lines]
+    out = [
+        tokenizer.tokenize(line.replace("\u2019", "'"), aggressive_dash_splits=True, return_str=True, escape=False)
+        for line in lines
+    ]
     return [split_compounds(line) for line in out] if lang in SPLIT_COMPOUNDS else out
 
 
@@ -41,10 +47,11 @@ def tokenized_bleu(hypotheses: list[str], references: list[str], lang: str) -> s
         tokenized(hypotheses, lang), [tokenized(references, lang)]
     )
     p1, p2, p3, p4 = score.precisions
-    how = "moses tokenizer" + (", compounds split" if lang in SPLIT_COMPOUNDS else "") + ", multi-bleu"
+    how = "moses tokenizer -a" + (", compounds split" if lang in SPLIT_COMPOUNDS else "") + ", multi-bleu"
     return (
         f"tokenized BLEU = {score.score:.2f}, {p1:.1f}/{p2:.1f}/{p3:.1f}/{p4:.1f} (BP={score.bp:.3f}, "
-        f"ratio={score.sys_len / score.ref_len:.3f}, hyp_len={score.sys_len}, ref_len={score.ref_len}) [{how}, {lang}]"
+        f"ratio={score.sys_len / max(score.ref_len, 1):.3f}, hyp_len={score.sys_len}, ref_len={score.ref_len}) "
+        f"[{how}, {lang}]"
     )
 
 

@@ -217,19 +217,28 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         node[path[-1]] = value
 
 
+# The papers' recipes, one config per headline row of a table (docs/RECIPES.md)
+PAPERS = "papers"
+
+
 def config_file(name: str | Path) -> Path:
     """The config at `name`; where no such file exists and `name` is a bare name, the config fathom ships
-    under it (`default` or `default.json`), so that an installed fathom runs from any directory."""
+    under it (`default` or `default.json`, or a paper's recipe: ds_configs/papers/), so that an installed
+    fathom runs from any directory."""
     path = Path(name)
     if path.exists() or path.parent != Path("."):
         return path
-    shipped = files("fathom.ds_configs") / (path.name if path.suffix == ".json" else f"{path.name}.json")
-    return Path(str(shipped)) if shipped.is_file() else path
+    filename = path.name if path.suffix == ".json" else f"{path.name}.json"
+    shipped = files("fathom.ds_configs")
+    for folder in (shipped, shipped / PAPERS):
+        if (folder / filename).is_file():
+            return Path(str(folder / filename))
+    return path
 
 
-def shipped_configs() -> list[str]:
-    """The names of the training configs fathom ships (its study specs, also in ds_configs/, left out)."""
-    shipped = [p for p in files("fathom.ds_configs").iterdir() if p.name.endswith(".json")]
+def shipped_configs(folder: str = "") -> list[str]:
+    """The names of the training configs fathom ships in ds_configs/`folder` (its study specs left out)."""
+    shipped = [p for p in (files("fathom.ds_configs") / folder).iterdir() if p.name.endswith(".json")]
     return sorted(p.name.removesuffix(".json") for p in shipped if "model" in json.loads(p.read_text()))
 
 
@@ -238,7 +247,8 @@ def read_json(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except FileNotFoundError:
         raise ConfigError(
-            f"{path}: no such config; give a config file or a shipped one by name: {', '.join(shipped_configs())}"
+            f"{path}: no such config; give a config file or a shipped one by name: {', '.join(shipped_configs())}, "
+            f"or one of the papers' recipes (docs/RECIPES.md)"
         ) from None
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config ({err.strerror})") from None

@@ -219,6 +219,11 @@ class DataPosition:
         """Micro-batches read before `step`: the index of the first one `step` reads."""
         return self.consumed + (step - self.step) * self.accumulation * self.replicas
 
+    def step_ending(self, micro_batches: int) -> int:
+        """The step that reads the run's `micro_batches`-th micro-batch (the last step before it, if read)."""
+        per_step = self.accumulation * self.replicas
+        return self.step + max(0, -(-(micro_batches - self.consumed) // per_step))
+
     def micro_batch(self, step: int, k: int, replica: int) -> int:
         """The index, in the run's fixed order, of the k-th micro-batch `replica` reads in `step`."""
         return self.at(step) + k * self.replicas + replica

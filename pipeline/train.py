@@ -252,7 +252,8 @@ def run(
     start_point: StartPoint,
     watchdog: Watchdog,
 ) -> None:
-    """The training loop, from the engine's step to train.max_steps: steps, logs, validation, checkpoints."""
+    """The training loop, from the engine's step to train.max_steps (or train.max_epochs' end): steps, logs,
+    validation, checkpoints."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     scheme = build_scheme(cfg.model)
     hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
@@ -286,13 +287,12 @@ def run(
     )  # fmt: skip
     masks, guard, breakdown = patches.masks, patches.guard, patches.breakdown
     started, first_step = time.perf_counter(), engine.global_steps
-    if first_step >= cfg.train.max_steps and rank == 0:
-        print(
-            f"fathom: the run is at step {first_step} and train.max_steps is {cfg.train.max_steps}: nothing to "
-            "train; raise train.max_steps to go on",
-            flush=True,
-        )
-    while engine.global_steps < cfg.train.max_steps:
+    last, limit = cfg.train.max_steps, f"train.max_steps is {cfg.train.max_steps}"
+    if cfg.train.max_epochs is not None and (end := position.step_ending(cfg.train.max_epochs * per_epoch)) < last:
+        last, limit = end, f"train.max_epochs {cfg.train.max_epochs} ends at step {end}"
+    if first_step >= last and rank == 0:
+        print(f"fathom: the run is at step {first_step} and {limit}: nothing to train; raise it to go on", flush=True)
+    while engine.global_steps < last:
         step, t = engine.global_steps, updates(engine, offset)
         watchdog.progress(f"training step {step + 1}")
         for hook in hooks:
@@ -307,10 +307,10 @@ def run(
         if rank == 0 and cfg.train.compile and done == first_step + 1:
             seconds = time.perf_counter() - started
             print(f"fathom: step {done} took {seconds:.1f} s, compiling the Transformer layers included", flush=True)
-        if rank == 0 and (done % cfg.train.log_interval == 0 or done == cfg.train.max_steps):
+        if rank == 0 and (done % cfg.train.log_interval == 0 or done == last):
             seconds_per_step = (time.perf_counter() - started) / (done - first_step)
-            print(progress_line(record, cfg.train.max_steps, seconds_per_step), flush=True)
-        if validation and (done % cfg.train.valid_interval == 0 or done == cfg.train.max_steps):
+            print(progress_line(record, last, seconds_per_step), flush=True)
+        if validation and (done % cfg.train.valid_interval == 0 or done == last):
             for hook in hooks:  # the model after step s is evaluated (and exported) at its schedule step
                 hook(updates(engine, offset))
             record = validation(done)
@@ -321,7 +321,7 @@ def run(
             if improved:
                 watchdog.progress(f"checkpoint save after step {done}")
                 saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
-        if done % cfg.train.save_interval == 0 or done == cfg.train.max_steps:
+        if done % cfg.train.save_interval == 0 or done == last:
             watchdog.progress(f"checkpoint save after step {done}")
             saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
     if breakdown and rank == 0:

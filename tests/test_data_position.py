@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from fathom.common.errors import ConfigError
+from fathom.common.run_layout import latest_tag
 from fathom.corpus.batches import BatchSize, DataPosition, MicroBatches, epoch_batches, epoch_length
 from fathom.pipeline.checkpoint.data_position import data_order, position_record, resume_position, saved_position
 from fathom.pipeline.config.run_config import build_corpus, load_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, launch, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = ["data.synthetic.sentences=200", "data.synthetic.valid_sentences=0"]
@@ -101,3 +102,32 @@ def test_a_checkpoint_from_before_positions_were_recorded_read_accumulation_x_re
     assert resume_position(saved, cfg, corpus, "global_step3")[0] == epoch_length(
         corpus.lengths(), cfg.batch_size, cfg.train.seed
     )
+
+
+def test_the_step_that_ends_an_epoch_reads_its_last_micro_batch():
+    """train.max_epochs' last step: 10 micro-batches read before step 5, then 6 a step (2 on 3 replicas)."""
+    position = DataPosition(consumed=10, step=5, accumulation=2, replicas=3)
+    assert [position.step_ending(n) for n in (4, 10, 11, 16, 17)] == [5, 5, 6, 6, 7]
+
+
+@pytest.mark.slow
+def test_max_epochs_ends_the_run_with_its_epoch_and_a_resume_goes_on_to_the_next(tmp_path):
+    """Epoch 1 ends in the step that reads its last micro-batch (the run saves there); a resume asked for 2
+    epochs stops at the end of the second, on 2 replicas of 1 stage instead of 1 of 2."""
+    cfg, corpus = run()
+    per_epoch = epoch_length(corpus.lengths(), cfg.batch_size, cfg.train.seed)
+    save_dir = tmp_path / "run"
+    common = [*SMALL, "train.max_steps=1000", "train.log_interval=1", f"train.save_dir={save_dir}",
+              "model.encoder_layers=1", "model.decoder_layers=1"]  # fmt: skip
+
+    def train(*overrides: str) -> list[int]:
+        job = launch(ROOT / "scripts" / "train.py", "--config", str(DEFAULT), "--resume", "--override", *common,
+                     *overrides)  # fmt: skip
+        assert job.returncode == 0
+        return [step["step"] for step in logged_steps(save_dir) if "lr" in step]
+
+    first = -(-per_epoch // 4)  # 4 micro-batches a step
+    assert train("train.max_epochs=1") == list(range(1, first + 1)) and latest_tag(save_dir) == f"global_step{first}"
+    second = first + -(-(2 * per_epoch - 4 * first) // 4)  # 2 replicas of 2 micro-batches: 4 a step again
+    steps = train("train.max_epochs=2", "pipeline.stages=1", "gradient_accumulation_steps=2")
+    assert steps == list(range(1, second + 1)) and latest_tag(save_dir) == f"global_step{second}"

@@ -80,6 +80,9 @@ class TrainConfig:
     """How the run trains. Each field declares what --resume does with a change to it (OnResume)."""
 
     max_steps: int = field(default=1000, metadata=APPLIED | bounds(1))
+    # Also stop after this many passes over the training data (fairseq's --max-epoch), if that comes
+    # first: after the step that reads the epoch's last micro-batch (null: train.max_steps alone).
+    max_epochs: int | None = field(default=None, metadata=APPLIED | bounds(1))
     save_dir: str = field(default="checkpoints/run", metadata=LOCATION)
     save_interval: int = field(default=500, metadata=APPLIED | bounds(1))
     # It also seeds the dropout masks; torch and numpy take it (numpy's seeds are below 2^32, a rank's 2^31).

@@ -18,6 +18,7 @@ import pytest
 
 from fathom.common import ports
 from fathom.common.repo import ROOT
+from fathom.common.run_layout import LOCK_FILE
 from tests import warm_ranks
 
 
@@ -132,6 +133,22 @@ def wait_for_ranks(ranks: list[subprocess.Popen], deadline: float) -> int | None
             return failed % 256 if failed is not None else 0
         time.sleep(0.02)
     return None
+
+
+def wait_for_release(save_dir: Path, timeout: float = 120) -> None:
+    """Waits until no process holds the run lock of `save_dir`, as a user waits for a killed job to end
+    before resuming it: the ranks of a job killed with SIGKILL let go of it only once they have exited, a
+    moment after their launcher, and a resume that starts first (a warm rank starts in a second) is
+    refused as a second job in the directory."""
+    lock, deadline = save_dir / LOCK_FILE, time.monotonic() + timeout
+    while lock.exists():
+        with open(lock) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{save_dir}'s run is still locked {timeout} s after its job ended"
+        time.sleep(0.05)
 
 
 def deepspeed_launch(

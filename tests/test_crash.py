@@ -18,7 +18,7 @@ import pytest
 from fathom.common.checkpoint_format import MANIFEST, file_damage, read_manifest
 from fathom.common.run_layout import LATEST, latest_tag, linked_best, tag_step
 from fathom.pipeline.checkpoint import saving
-from tests.helpers import ROOT, assert_same_training, free_port, launch
+from tests.helpers import ROOT, assert_same_training, free_port, launch, wait_for_release
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +127,7 @@ def killed_launch(save_dir: Path, kill: str, rng: random.Random) -> str:
             os.kill(pid, signal.SIGKILL)
             pytest.fail(f"{kill}: rank process {pid} outlived its launcher")
         remove_shm_segments(port)
+    wait_for_release(save_dir)
     assert proc.returncode != 0, f"{kill}: the run was not killed\n{output[-3000:]}"
     return f"{kill}: killed after {steps_done(save_dir)} logged steps, latest {latest_tag(save_dir)}"
 
@@ -199,6 +200,7 @@ def test_a_stopped_run_says_where_and_leaves_nothing_half_made(tmp_path, sig):
     assert not rank_pids(save_dir) and not list(save_dir.glob("heartbeat-*")), output[-3000:]
     assert_latest_whole(save_dir)
     assert all(read_manifest(path) for path in save_dir.glob("global_step*")), "a half-saved checkpoint"
+    wait_for_release(save_dir)
     resume(save_dir, steps=STOPPED_STEPS)
     assert steps_done(save_dir) == STOPPED_STEPS
 
@@ -223,6 +225,7 @@ def test_a_stop_keeps_a_validated_best_and_resume_continues_from_it(tmp_path, ma
         rf"fathom: stopped by SIGTERM after step \d+; the same command with --resume continues from {best}", stopped[0]
     ), output[-3000:]
     assert made or (save_dir / "notes.txt").read_text() == "mine"
+    wait_for_release(save_dir)
     resumed = resume(save_dir, *cadence, steps=STOPPED_STEPS)
     assert f"resumed from {save_dir}/{best} at step {best.removeprefix('best_global_step')}" in resumed.stdout
     assert steps_done(save_dir) == STOPPED_STEPS

@@ -28,7 +28,7 @@ from fathom.common.checkpoint_format import (
 from fathom.common.errors import exit_on_config_error
 from fathom.common.run_layout import UNIVERSAL, latest_step
 from fathom.pipeline.checkpoint.reshape import Shape
-from tests.helpers import ROOT, built_once, launch, launch_env, launcher_command, logged_steps
+from tests.helpers import ROOT, built_once, launch, launch_env, launcher_command, logged_steps, wait_for_release
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 WORKER = ROOT / "tests" / "workers" / "reshaped_state.py"
@@ -169,6 +169,7 @@ def kill_after_step(command: list[str], run: Path, step: int) -> None:
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    wait_for_release(run)
 
 
 @pytest.mark.slow

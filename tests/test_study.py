@@ -31,7 +31,7 @@ from fathom.study.report import DIVERGED, STALLED, TRAINED, cell_list, cell_summ
 from fathom.study.run import check, run
 from fathom.study.run import main as study_main
 from fathom.study.source_use import unigram_nll
-from tests.helpers import ROOT, prepare_slice, without_matplotlib
+from tests.helpers import ROOT, prepare_slice, wait_for_release, without_matplotlib
 
 CONFIG = load_config(ROOT / "ds_configs" / "default.json", ["scheduler.params.warmup_num_steps=5"], world_size=2)
 
@@ -211,6 +211,7 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
         time.sleep(0.1)
     os.killpg(killed.pid, signal.SIGKILL)  # the study and the cell's ranks, mid-cell
     killed.wait()
+    wait_for_release(second)
     finished = (first / CELL_FILE).read_text()
     interim = study(path, "--report")  # a half-trained cell was reported as `not run`
     assert interim.wait(timeout=300) == 0, interim.communicate()[0][-3000:]

@@ -58,9 +58,11 @@ def run_rank(request: dict) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
+                                (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):  # fmt: skip
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         if request["file_size_limit"] is not None:
             hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
             resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"], hard))

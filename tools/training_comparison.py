@@ -27,6 +27,7 @@ from fathom.corpus.batches import MicroBatches, collate
 from fathom.model import Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
+from fathom.pipeline.config.inverse_sqrt import client_scheduler
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
 from fathom.study.source_use import nll, with_shuffled_sources
 from fathom.tools.torchscale_peer import torchscale_model
@@ -67,6 +68,8 @@ def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> Any:
     scheduler = cfg.deepspeed.get("scheduler")
     if scheduler is None:
         return None
+    if ours := client_scheduler(cfg.deepspeed):  # fathom's InverseSqrtLR, which the engine gets built too
+        return ours(optimizer)
     return getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler.get("params", {}))
 
 

@@ -29,6 +29,7 @@ class LayerTrace:
     saved: int  # bytes autograd keeps for backward, riding inputs excluded
     stream: int  # bytes of the first float output: the hidden states
     riders: int  # bytes of further float outputs (encoder_out), held once per stage
+    sent: int  # bytes of every output tensor, token ids included: what a stage ending here sends on
     checkpointable: bool
 
 
@@ -87,13 +88,15 @@ def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
             riding = value[1:] if isinstance(value, tuple) else ()
             skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
             output, saved = _saved_bytes(partial(part.run, module, value), skip)
-            floats = _float_bytes(output if isinstance(output, tuple) else (output,))
+            outputs = output if isinstance(output, tuple) else (output,)
+            floats = _float_bytes(outputs)
             trace = LayerTrace(
                 tied_key=part.tie,
                 params=sum(p.numel() for p in module.parameters()),
                 saved=saved,
                 stream=floats[0] if floats else 0,
                 riders=sum(floats[1:]),
+                sent=sum(tensor.numel() * tensor.element_size() for tensor in outputs),
                 checkpointable=part.pipe_class.__name__ in TRANSFORMER_LAYERS,
             )
             done[key] = (trace, output)

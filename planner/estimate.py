@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,20 @@ def state_bytes(cfg: RunConfig) -> StateBytes:
     return per_param
 
 
+def checkpoint_runs(stage: list[LayerTrace], interval: int) -> Iterator[tuple[int, list[LayerTrace], bool]]:
+    """A stage's layers as DeepSpeed runs them: runs of `interval` layers (their first index in the stage,
+    the layers, whether checkpointed), checkpointed if every layer of the run can be; interval 0: one run."""
+    for at in range(0, len(stage), interval or len(stage)):
+        run = stage[at : at + interval] if interval else stage
+        yield at, run, bool(interval) and all(layer.checkpointable for layer in run)
+
+
+def parameter_count(layers: list[LayerTrace]) -> int:
+    """The parameters of these layers, a tied module's once."""
+    tied = {layer.tied_key: layer.params for layer in layers if layer.tied_key}
+    return sum(layer.params for layer in layers if not layer.tied_key) + sum(tied.values())
+
+
 def estimate_stages(
     cfg: RunConfig,
     traces: tuple[list[LayerTrace], int],
@@ -119,10 +134,8 @@ def estimate_stages(
         mine = layers[start:stop]
         inputs = [layers[i - 1] if i else None for i in range(start, stop)]  # each layer's producer
         held, recompute = 0, 0
-        # DeepSpeed checkpoints runs of `interval` local layers, if all of them are checkpointable
-        for at in range(0, len(mine), interval or len(mine)):
-            chunk = mine[at : at + interval] if interval else mine
-            if interval and all(layer.checkpointable for layer in chunk):
+        for at, chunk, checkpointed in checkpoint_runs(mine, interval):
+            if checkpointed:
                 held += inputs[at].stream if inputs[at] else 0
                 recompute = max(recompute, sum(layer.saved for layer in chunk))
             else:
@@ -131,8 +144,7 @@ def estimate_stages(
         last = stage == stages - 1
         held += loss_saved if last else mine[-1].stream + mine[-1].riders
         in_flight = min(stages - stage, micro_batches)
-        tied = {layer.tied_key: layer.params for layer in mine if layer.tied_key}
-        params = sum(layer.params for layer in mine if not layer.tied_key) + sum(tied.values())
+        params = parameter_count(mine)
         sharded = params / data_parallel
         estimates.append(
             StageEstimate(

@@ -31,6 +31,10 @@ def check_no_tilde(path: str | None, key: str) -> None:
         raise ConfigError(f"{key}: {path!r} starts with ~, which a config does not expand; write the full path")
 
 
+class DataNotPreparedError(ConfigError):
+    """data.path names no prepared directory (yet): the memory and cluster planners can go without it."""
+
+
 @dataclass
 class DataConfig:
     """The training data. Each field declares what --resume does with a change to it (OnResume)."""
@@ -54,7 +58,9 @@ class DataConfig:
         for path in self.shards:
             check_no_tilde(path, "data.path")
             if not (Path(path) / META_FILE).exists():
-                raise ConfigError(f"data.path: {path} is not a prepared data directory; run scripts/prepare_data.py")
+                raise DataNotPreparedError(
+                    f"data.path: {path} is not a prepared data directory; run scripts/prepare_data.py"
+                )
 
     @property
     def shards(self) -> list[str]:

@@ -1,0 +1,370 @@
+"""A plan for a cluster before anything is queued: how to split its GPUs for a recipe, and what each
+split costs.
+
+    python scripts/plan_cluster.py --config RECIPE (--gpus N | --hostfile FILE) --gpu-memory 80GB
+        [--gpus-per-node 8] [--vocab-size V] [--length L] [--sentences B] [--override k=v ...]
+
+Every split of the GPUs into pipeline stages x data-parallel replicas, with activation checkpointing as
+the recipe sets it and off, is held to four things:
+
+    memory      each stage's peak (planner/estimate.py) against --gpu-memory
+    bubble      1F1B idles each stage (S - 1) of every (M + S - 1) forward and backward slots of a step,
+                M the micro-batches each replica accumulates
+    traffic     bytes sent between stages per step (the outputs forward, token ids included, and their
+                gradients back), and the gradients all-reduced among a stage's replicas and among the
+                stages that share the embedding
+    compute     the slowest stage's work per micro-batch (pipeline/parts/stage_cuts.py's per-layer costs,
+                backward twice the forward, a checkpointed layer's forward twice) times the M + S - 1
+                slots it waits through: the step's critical path, relative to the best split
+
+The split that fits with the shortest critical path is the plan. A step time in seconds needs per-layer
+times measured on the cluster's kind of GPU, which fathom does not have yet; the plan says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from fathom.common.cli import command_parser
+from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
+from fathom.corpus.filters import FilterSettings
+from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
+from fathom.pipeline.launch.command import read_hostfile
+from fathom.pipeline.parts.stage_cuts import layer_costs
+from fathom.planner.activation_trace import LayerTrace, trace_layers
+from fathom.planner.estimate import (
+    GiB,
+    MicroBatchShape,
+    StageEstimate,
+    checkpoint_runs,
+    estimate_stages,
+    fill_vocab_and_length,
+    micro_batch_shape,
+    parameter_count,
+    parse_size,
+    report,
+    state_bytes,
+)
+
+# DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
+# on): one buffer of TENSOR_META_SIZE int32 (deepspeed/runtime/pipe/engine.py).
+META_BYTES = 256 * 4
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Split:
+    stages: int
+    replicas: int
+    checkpoint_interval: int
+
+
+@dataclass
+class SplitPlan:
+    split: Split
+    cfg: RunConfig  # the run's config with the split's checkpointing
+    micro_batches: int  # each replica's, per step
+    estimates: list[StageEstimate]
+    forward_bytes: list[int]  # per step and replica, over each boundary s -> s + 1: outputs and shapes
+    backward_bytes: list[int]  # per step and replica, over each boundary s + 1 -> s: gradients
+    replica_reduce: list[int]  # per step: each stage's gradients, all-reduced among its replicas
+    tied_reduce: int  # per step and replica: the shared embedding's gradient, all-reduced among its stages
+    critical_path: float  # the slowest stage's work per micro-batch x (M + S - 1), in per-token cost units
+
+    @property
+    def bubble(self) -> float:
+        stages = self.split.stages
+        return (stages - 1) / (self.micro_batches + stages - 1)
+
+    @property
+    def peak(self) -> int:
+        return max(estimate.peak for estimate in self.estimates)
+
+
+def micro_batches_per_replica(ds: dict, replicas: int) -> int | str:
+    """Each replica's micro-batches per step as DeepSpeed derives them, or why this replica count cannot
+    hold the config's batch."""
+    micro = ds["train_micro_batch_size_per_gpu"]
+    if "train_batch_size" not in ds:
+        return ds.get("gradient_accumulation_steps", 1)
+    total = ds["train_batch_size"]
+    per_replica, left = divmod(total, micro * replicas)
+    if left or not per_replica:
+        return f"train_batch_size {total} is not a multiple of {micro} x {replicas} replicas"
+    if ds.get("gradient_accumulation_steps", per_replica) != per_replica:
+        return f"train_batch_size {total} is not {micro} x gradient_accumulation_steps x {replicas} replicas"
+    return per_replica
+
+
+def stage_traffic(
+    layers: list[LayerTrace], bounds: list[int], sentences: int, micro_batches: int
+) -> tuple[list[int], list[int]]:
+    """Bytes over each stage boundary per step: forward, what the stage's last layer returns (and the
+    shapes ahead of it); backward, a gradient for each of its floats."""
+    forward, backward = [], []
+    for stop in bounds[1:-1]:
+        last = layers[stop - 1]
+        forward.append(micro_batches * (sentences * last.sent + META_BYTES))
+        backward.append(micro_batches * sentences * (last.stream + last.riders))
+    return forward, backward
+
+
+def tied_reduce_bytes(layers: list[LayerTrace], bounds: list[int], gradient_bytes: int) -> int:
+    """The gradient bytes of each tied module that more than one stage holds, all-reduced among them."""
+    total = 0
+    for key in {layer.tied_key for layer in layers if layer.tied_key}:
+        holders = {stage for stage, (start, stop) in enumerate(itertools.pairwise(bounds))
+                   if any(layer.tied_key == key for layer in layers[start:stop])}  # fmt: skip
+        if len(holders) > 1:
+            total += next(layer.params for layer in layers if layer.tied_key == key) * gradient_bytes
+    return total
+
+
+def critical_path(
+    cfg: RunConfig, layers: list[LayerTrace], bounds: list[int], interval: int, micro_batches: int
+) -> float:
+    costs = layer_costs(cfg.model)
+    slowest = 0.0
+    for start, stop in itertools.pairwise(bounds):
+        work = 0.0
+        for at, run, checkpointed in checkpoint_runs(layers[start:stop], interval):
+            work += sum(costs[start + at : start + at + len(run)]) * (4 if checkpointed else 3)
+        slowest = max(slowest, work)
+    return slowest * (micro_batches + len(bounds) - 2)
+
+
+def plan_split(
+    cfg: RunConfig, traces: tuple[list[LayerTrace], int], shape: MicroBatchShape, split: Split
+) -> SplitPlan | str:
+    """The split's costs, or why the config cannot run on it."""
+    micro_batches = micro_batches_per_replica(cfg.deepspeed, split.replicas)
+    if isinstance(micro_batches, str):
+        return micro_batches
+    pipeline = {**cfg.deepspeed["pipeline"], "activation_checkpoint_interval": split.checkpoint_interval}
+    cfg = dataclasses.replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline})
+    estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas)
+    layers = traces[0]
+    bounds = [estimate.start for estimate in estimates] + [estimates[-1].stop]
+    gradient_bytes = state_bytes(cfg).gradients
+    forward, backward = stage_traffic(layers, bounds, shape.sentences, micro_batches)
+    return SplitPlan(
+        split=split,
+        cfg=cfg,
+        micro_batches=micro_batches,
+        estimates=estimates,
+        forward_bytes=forward,
+        backward_bytes=backward,
+        replica_reduce=[e.params * gradient_bytes if split.replicas > 1 else 0 for e in estimates],
+        tied_reduce=tied_reduce_bytes(layers, bounds, gradient_bytes),
+        critical_path=critical_path(cfg, layers, bounds, split.checkpoint_interval, micro_batches),
+    )
+
+
+def splits(cfg: RunConfig, gpus: int) -> list[Split]:
+    """Every stages x replicas that uses all the GPUs, each with the config's checkpointing and without."""
+    most_stages = cfg.model.encoder_layers + cfg.model.decoder_layers
+    interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
+    return [Split(stages, gpus // stages, checkpointing)
+            for checkpointing in dict.fromkeys((interval, 0))
+            for stages in range(1, min(gpus, most_stages) + 1) if gpus % stages == 0]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    nodes: list[int]  # GPUs per node, in rank order
+    memory: int  # bytes per GPU
+
+    def node_of(self, rank: int) -> int:
+        return next(node for node, end in enumerate(itertools.accumulate(self.nodes)) if rank < end)
+
+    def describe(self) -> str:
+        count = f"{len(self.nodes)} node{'s' if len(self.nodes) > 1 else ''}"
+        shape = (
+            f"{count} of {self.nodes[0]}"
+            if len(set(self.nodes)) == 1
+            else f"{count} of {', '.join(map(str, self.nodes))}"
+        )
+        return f"{self.gpus} GPUs ({shape}), {self.memory / GiB:.2f} GiB each"
+
+
+def crossings(cluster: Cluster, split: Split) -> tuple[list[bool], list[bool]]:
+    """Which stage boundaries and which stages' replica groups span nodes. DeepSpeed ranks a pipe x data
+    grid with the replicas adjacent: stage s, replica d is rank s x replicas + d."""
+    replicas = split.replicas
+
+    def node(stage: int, replica: int) -> int:
+        return cluster.node_of(stage * replicas + replica)
+
+    boundaries = [any(node(s, d) != node(s + 1, d) for d in range(replicas)) for s in range(split.stages - 1)]
+    groups = [len({node(s, d) for d in range(replicas)}) > 1 for s in range(split.stages)]
+    return boundaries, groups
+
+
+def _size(value: float) -> str:
+    return f"{value / GiB:.2f} GiB" if value >= GiB else f"{value / MiB:.1f} MiB"
+
+
+def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, best: SplitPlan | None) -> str:
+    fastest = min((p.critical_path for _, p in plans if isinstance(p, SplitPlan) and p.peak <= cluster.memory),
+                  default=None)  # fmt: skip
+    lines = [
+        f"{'stages x replicas':>17} {'ckpt':>4} {'micro':>5} {'peak GiB':>8} {'fits':>4} {'bubble':>6} "
+        f"{'p2p/step':>10} {'all-reduce':>10} {'compute':>7}"
+    ]
+    for split, plan in plans:
+        head = f"{f'{split.stages} x {split.replicas}':>17} {split.checkpoint_interval:>4}"
+        if isinstance(plan, str):
+            lines.append(f"{head}  {plan}")
+            continue
+        fits = plan.peak <= cluster.memory
+        relative = f"{plan.critical_path / fastest:.2f}x" if fits and fastest else "-"
+        sent = max((f + b for f, b in zip(plan.forward_bytes, plan.backward_bytes, strict=True)), default=0)
+        lines.append(
+            f"{head} {plan.micro_batches:>5} {plan.peak / GiB:>8.2f} {'yes' if fits else 'no':>4} {plan.bubble:>6.1%} "
+            f"{_size(sent):>10} {_size(max(plan.replica_reduce) + plan.tied_reduce):>10} {relative:>7}"
+            + ("  <- plan" if plan is best else "")
+        )
+    lines.append(
+        "(ckpt: activation checkpoint interval; micro: micro-batches per replica and step; p2p: bytes over the "
+        "busiest stage boundary per step, both ways; all-reduce: the largest stage's gradient bytes per step; "
+        "compute: the step's critical path without communication, relative to the fastest split that fits)"
+    )
+    return "\n".join(lines)
+
+
+def plan_details(config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, checkpointing: int) -> str:
+    """The plan stage by stage, and the command that launches it (`checkpointing`: the config's interval)."""
+    split = plan.split
+    boundaries, groups = crossings(cluster, split)
+    lines = [report(plan.cfg, plan.estimates, shape, split.replicas), ""]
+    lines.append(
+        f"1F1B bubble: {split.stages - 1} of {plan.micro_batches + split.stages - 1} slots idle on every stage "
+        f"({plan.bubble:.1%})"
+    )
+    for stage, (forward, backward) in enumerate(zip(plan.forward_bytes, plan.backward_bytes, strict=True)):
+        where = "across nodes" if boundaries[stage] else "within a node"
+        lines.append(
+            f"stage {stage} -> {stage + 1}: {_size(forward)} forward, {_size(backward)} back per step and replica "
+            f"({where})"
+        )
+    if split.replicas > 1:
+        spanning = sum(groups)
+        lines.append(
+            f"all-reduced per step among each stage's {split.replicas} replicas: its gradients, up to "
+            f"{_size(max(plan.replica_reduce))} ({spanning} of {split.stages} stages' replica groups span nodes)"
+        )
+    if plan.tied_reduce:
+        lines.append(f"all-reduced per step among the stages that share the embedding: {_size(plan.tied_reduce)}")
+    lines.append(
+        "step time: unknown; fathom has no per-layer times measured on a GPU yet, so the plan ranks splits by "
+        "their critical path in per-layer costs"
+    )
+    overrides = [f"pipeline.stages={split.stages}"]
+    if split.checkpoint_interval != checkpointing:
+        overrides.append(f"pipeline.activation_checkpoint_interval={split.checkpoint_interval}")
+    lines.append(
+        f"launch: deepspeed --hostfile HOSTFILE scripts/train.py --config {config} --override {' '.join(overrides)}"
+    )
+    return "\n".join(lines)
+
+
+def choose(plans: list[tuple[Split, SplitPlan | str]], memory: int) -> SplitPlan | None:
+    """The split that fits with the shortest critical path; on a tie, the fewer stages."""
+    fitting = [plan for _, plan in plans if isinstance(plan, SplitPlan) and plan.peak <= memory]
+    return min(fitting, key=lambda plan: (plan.critical_path, plan.split.stages), default=None)
+
+
+def chosen_split(
+    plans: list[tuple[Split, SplitPlan | str]], stages: int, checkpointing: int, cluster: Cluster
+) -> SplitPlan:
+    """The user's split (--stages) with the config's checkpointing, or why it cannot run."""
+    for split, plan in plans:
+        if split.stages == stages and split.checkpoint_interval == checkpointing:
+            if isinstance(plan, str):
+                raise ConfigError(f"--stages {stages}: {plan}")
+            if plan.peak > cluster.memory:
+                raise ConfigError(
+                    f"--stages {stages}: a stage peaks at {plan.peak / GiB:.2f} GiB, over the GPU's memory"
+                )
+            return plan
+    raise ConfigError(
+        f"--stages {stages}: not a divisor of {cluster.gpus} GPUs at most the model's layers; see the table"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = command_parser(__doc__)
+    parser.add_argument("--config", required=True, help="a recipe's name or an experiment JSON")
+    parser.add_argument("--override", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gpus", type=int, help="GPUs in the cluster")
+    where.add_argument("--hostfile", help="DeepSpeed's hostfile ('HOST slots=N' lines): its GPUs and nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --gpus: GPUs per node (default 8)")
+    parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB or 80GiB")
+    parser.add_argument("--vocab-size", type=int, help="the dictionary's size, before the data is prepared")
+    parser.add_argument("--stages", type=int, help="detail this stage count's split (config's checkpointing) instead")
+    parser.add_argument("--sentences", type=int, help="pairs per micro-batch (default: from the config)")
+    parser.add_argument(
+        "--length", type=int, help="padded tokens per sentence (default: the data's longest pair, with eos)"
+    )
+    return parser.parse_args(argv)
+
+
+def cluster_of(gpus: int | None, hostfile: str | None, gpus_per_node: int, memory: str) -> Cluster:
+    """The cluster of a hostfile (its slots), else of `gpus` on nodes of `gpus_per_node`."""
+    if hostfile:
+        nodes = list(read_hostfile(hostfile).values())
+        return Cluster(sum(nodes), nodes, parse_size(memory))
+    check_counts({"--gpus": gpus, "--gpus-per-node": gpus_per_node})
+    full, left = divmod(gpus, gpus_per_node)
+    return Cluster(gpus, [gpus_per_node] * full + ([left] if left else []), parse_size(memory))
+
+
+def planned_config(
+    config: str, overrides: list[str], vocab_size: int | None, length: int | None
+) -> tuple[RunConfig, int]:
+    """The run's config and its longest padded pair. With `vocab_size` the data is not read: it may not be
+    prepared yet, and the length is then prepare_data.py's longest (its --max-len, and eos) unless given."""
+    if vocab_size is None:
+        try:
+            cfg = load_config(config, overrides, world_size=None)
+        except DataNotPreparedError as err:
+            raise ConfigError(f"{err}; or plan without it: --vocab-size V [--length L]") from None
+        return cfg, fill_vocab_and_length(cfg, length)
+    vocab = [f"model.src_vocab_size={vocab_size}", f"model.tgt_vocab_size={vocab_size}"]
+    cfg = load_config(config, [*overrides, "data.path=null", *vocab], world_size=None)
+    return cfg, length or FilterSettings().max_len + 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with exit_on_config_error():
+        check_counts({"--vocab-size": args.vocab_size, "--sentences": args.sentences, "--length": args.length,
+                      "--stages": args.stages})  # fmt: skip
+        cluster = cluster_of(args.gpus, args.hostfile, args.gpus_per_node, args.gpu_memory)
+        cfg, length = planned_config(args.config, args.override, args.vocab_size, args.length)
+        shape = micro_batch_shape(cfg, args.sentences, length)
+        traces = trace_layers(cfg, shape.length)
+        plans = [(split, plan_split(cfg, traces, shape, split)) for split in splits(cfg, cluster.gpus)]
+        best = choose(plans, cluster.memory)
+        model = cfg.model
+        print(
+            f"{Path(args.config).stem}: {model.encoder_layers}L-{model.decoder_layers}L, "
+            f"{parameter_count(traces[0]):,} parameters; {cluster.describe()}; micro-batches of at most "
+            f"{shape.sentences} x {shape.length} tokens"
+        )
+        print(split_table(plans, cluster, best))
+        if best is None:
+            raise ConfigError(
+                f"no split of {cluster.gpus} GPUs holds this run in {cluster.memory / GiB:.2f} GiB each; "
+                "add GPUs, or lower data.max_tokens (or --sentences)"
+            )
+        checkpointing = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
+        shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
+        print()
+        print(plan_details(args.config, shown, shape, cluster, checkpointing))

@@ -306,7 +306,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--hostfile", help="DeepSpeed's hostfile ('HOST slots=N' lines): its GPUs and nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --gpus: GPUs per node (default 8)")
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB or 80GiB")
-    parser.add_argument("--vocab-size", type=int, help="the dictionary's size, before the data is prepared")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="the dictionary's entries, to plan before the data is prepared (--vocab-size 40000 makes 40008)",
+    )
     parser.add_argument("--stages", type=int, help="detail this stage count's split (config's checkpointing) instead")
     parser.add_argument("--sentences", type=int, help="pairs per micro-batch (default: from the config)")
     parser.add_argument(

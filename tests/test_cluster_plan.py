@@ -94,9 +94,9 @@ def test_node_crossings_follow_deepspeeds_rank_grid():
 def test_the_papers_500_layers_on_8_gpus(capsys):
     """BranchNorm's 500L-500L En-Fr before its data exists: every split of 8 GPUs of 80 GB, the plan stage by
     stage, and the command that launches it."""
-    main(["--config", RECIPE, "--gpus", "8", "--gpu-memory", "80GB", "--vocab-size", "40000", "--stages", "2"])
+    main(["--config", RECIPE, "--gpus", "8", "--gpu-memory", "80GB", "--vocab-size", "40008", "--stages", "2"])
     out = capsys.readouterr().out
-    assert "3,698,688,000 parameters; 8 GPUs (1 node of 8), 74.51 GiB each" in out
+    assert "3,698,692,096 parameters; 8 GPUs (1 node of 8), 74.51 GiB each" in out
     assert "micro-batches of at most 15 x 257 tokens" in out  # 4,096 tokens of prepare_data's longest pairs
     assert " 2 x 4    1    32" in out  # 128 micro-batches an update, 32 for each of 4 replicas
     assert "1F1B bubble: 1 of 33 slots idle on every stage (3.0%)" in out
@@ -107,7 +107,7 @@ def test_the_papers_500_layers_on_8_gpus(capsys):
 def test_a_plan_from_a_hostfile(tmp_path, capsys):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
-    main(["--config", RECIPE, "--hostfile", str(hostfile), "--gpu-memory", "80GB", "--vocab-size", "40000",
+    main(["--config", RECIPE, "--hostfile", str(hostfile), "--gpu-memory", "80GB", "--vocab-size", "40008",
           "--stages", "2"])  # fmt: skip
     out = capsys.readouterr().out
     assert "8 GPUs (2 nodes of 4)" in out and "stage 0 -> 1:" in out and "(across nodes)" in out
@@ -116,14 +116,14 @@ def test_a_plan_from_a_hostfile(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--gpus", "2", "--gpu-memory", "16GB", "--vocab-size", "40000"], "no split of 2 GPUs holds this run"),
+        (["--gpus", "2", "--gpu-memory", "16GB", "--vocab-size", "40008"], "no split of 2 GPUs holds this run"),
         (["--gpus", "64", "--gpu-memory", "80GB"], "not a prepared data directory; run scripts/prepare_data.py; or "
          "plan without it: --vocab-size V [--length L]"),
-        (["--gpus", "8", "--gpu-memory", "80GB", "--vocab-size", "40000", "--stages", "3"],
+        (["--gpus", "8", "--gpu-memory", "80GB", "--vocab-size", "40008", "--stages", "3"],
          "--stages 3: not a divisor"),
-        (["--gpus", "6", "--gpu-memory", "80GB", "--vocab-size", "40000", "--stages", "2"],
+        (["--gpus", "6", "--gpu-memory", "80GB", "--vocab-size", "40008", "--stages", "2"],
          "--stages 2: train_batch_size 128 is not a multiple of 1 x 3 replicas"),
-        (["--gpus", "8", "--gpu-memory", "eighty", "--vocab-size", "40000"], "expected a size like 80GB"),
+        (["--gpus", "8", "--gpu-memory", "eighty", "--vocab-size", "40008"], "expected a size like 80GB"),
     ],
 )  # fmt: skip
 def test_a_plan_that_cannot_be_is_one_line(capsys, args, message):

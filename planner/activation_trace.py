@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,8 @@ from fathom.model.model_config import DTYPES, NUM_SPECIAL
 from fathom.pipeline.config import deepspeed_values
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -66,42 +69,58 @@ def _module_key(part: PipePart) -> str:
     return repr((part.pipe_class, part.args, part.kwargs))
 
 
-def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
-    """A trace for every spec of the model, and the bytes the loss saves. Each distinct layer is
-    built and run once on one sentence: a deep stack repeats the same layer, whose output then
-    stands in for the next one's input."""
+def each_distinct_layer(
+    cfg: RunConfig, tokens: Tensor, measure: Callable[[PipePart, nn.Module, object], tuple[T, object]]
+) -> tuple[list[T], object]:
+    """measure(part, module, inputs) -> (record, output) for every spec of the model, in order, on `tokens`
+    as source and target. Each distinct layer is built and measured once: a deep stack repeats the same
+    layer, whose output then stands in for the next one's input. Returns the records and the last output."""
     dtype = DTYPES[precision(cfg)]
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(NUM_SPECIAL, cfg.model.tgt_vocab_size, (1, length), generator=generator)
     value: object = (tokens, tokens.clone())
     modules: dict[str, nn.Module] = {}
-    done: dict[str, tuple[LayerTrace, object]] = {}
-    traces = []
+    done: dict[str, tuple[T, object]] = {}
+    records = []
     for part in pipe_parts(cfg.model):
         module_key = _module_key(part)
         key = f"{module_key}/{part.tied_forward}"
         if key not in done:
             if module_key not in modules:
-                modules[module_key] = part.build().to(dtype).train()
-            module = modules[module_key]
-            # every decoder layer reads the same encoder_out: the stage holds it once
-            riding = value[1:] if isinstance(value, tuple) else ()
-            skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
-            output, saved = _saved_bytes(partial(part.run, module, value), skip)
-            outputs = output if isinstance(output, tuple) else (output,)
-            floats = _float_bytes(outputs)
-            trace = LayerTrace(
-                tied_key=part.tie,
-                params=sum(p.numel() for p in module.parameters()),
-                saved=saved,
-                stream=floats[0] if floats else 0,
-                riders=sum(floats[1:]),
-                sent=sum(tensor.numel() * tensor.element_size() for tensor in outputs),
-                checkpointable=part.pipe_class.__name__ in TRANSFORMER_LAYERS,
-            )
-            done[key] = (trace, output)
-        trace, value = done[key]
-        traces.append(trace)
-    loss = partial(label_smoothed_cross_entropy, value, tokens, smoothing=cfg.train.label_smoothing)
+                modules[module_key] = part.build().to(device=tokens.device, dtype=dtype).train()
+            done[key] = measure(part, modules[module_key], value)
+        record, value = done[key]
+        records.append(record)
+    return records, value
+
+
+def _trace(part: PipePart, module: nn.Module, value: object) -> tuple[LayerTrace, object]:
+    # every decoder layer reads the same encoder_out: the stage holds it once
+    riding = value[1:] if isinstance(value, tuple) else ()
+    skip = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *riding) if isinstance(t, Tensor)}
+    output, saved = _saved_bytes(partial(part.run, module, value), skip)
+    outputs = output if isinstance(output, tuple) else (output,)
+    floats = _float_bytes(outputs)
+    trace = LayerTrace(
+        tied_key=part.tie,
+        params=sum(p.numel() for p in module.parameters()),
+        saved=saved,
+        stream=floats[0] if floats else 0,
+        riders=sum(floats[1:]),
+        sent=sum(tensor.numel() * tensor.element_size() for tensor in outputs),
+        checkpointable=part.pipe_class.__name__ in TRANSFORMER_LAYERS,
+    )
+    return trace, output
+
+
+def sample_tokens(cfg: RunConfig, shape: tuple[int, int], device: torch.device | str = "cpu") -> Tensor:
+    """Token ids of `shape` (sentences, length), the same every call."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(NUM_SPECIAL, cfg.model.tgt_vocab_size, shape, generator=generator).to(device)
+
+
+def trace_layers(cfg: RunConfig, length: int) -> tuple[list[LayerTrace], int]:
+    """A trace for every spec of the model, each on one sentence, and the bytes the loss saves."""
+    tokens = sample_tokens(cfg, (1, length))
+    traces, logits = each_distinct_layer(cfg, tokens, _trace)
+    loss = partial(label_smoothed_cross_entropy, logits, tokens, smoothing=cfg.train.label_smoothing)
     _, loss_saved = _saved_bytes(loss, skip=set())
     return traces, loss_saved

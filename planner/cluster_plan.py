@@ -49,6 +49,7 @@ from fathom.planner.estimate import (
     report,
     state_bytes,
 )
+from fathom.planner.layer_times import LayerTime, device_name, time_layers
 
 # DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
 # on): one buffer of TENSOR_META_SIZE int32 (deepspeed/runtime/pipe/engine.py).
@@ -73,7 +74,8 @@ class SplitPlan:
     backward_bytes: list[int]  # per step and replica, over each boundary s + 1 -> s: gradients
     replica_reduce: list[int]  # per step: each stage's gradients, all-reduced among its replicas
     tied_reduce: int  # per step and replica: the shared embedding's gradient, all-reduced among its stages
-    critical_path: float  # the slowest stage's work per micro-batch x (M + S - 1), in per-token cost units
+    critical_path: float  # critical_path() in relative_costs' units
+    step_seconds: float | None  # critical_path() in per-layer times measured on a device, if there are any
 
     @property
     def bubble(self) -> float:
@@ -124,23 +126,35 @@ def tied_reduce_bytes(layers: list[LayerTrace], bounds: list[int], gradient_byte
     return total
 
 
+def relative_costs(cfg: RunConfig) -> list[LayerTime]:
+    """Per-layer costs that rank splits without a device: stage_cuts' forward multiply-adds per token, the
+    backward twice the forward (two products per product)."""
+    return [LayerTime(cost, 2 * cost) for cost in layer_costs(cfg.model)]
+
+
 def critical_path(
-    cfg: RunConfig, layers: list[LayerTrace], bounds: list[int], interval: int, micro_batches: int
+    layers: list[LayerTrace], costs: list[LayerTime], bounds: list[int], interval: int, micro_batches: int
 ) -> float:
-    costs = layer_costs(cfg.model)
+    """The slowest stage's forward and backward of one micro-batch (a checkpointed layer's forward twice),
+    times the M + S - 1 slots a 1F1B step takes."""
     slowest = 0.0
     for start, stop in itertools.pairwise(bounds):
         work = 0.0
         for at, run, checkpointed in checkpoint_runs(layers[start:stop], interval):
-            work += sum(costs[start + at : start + at + len(run)]) * (4 if checkpointed else 3)
+            for cost in costs[start + at : start + at + len(run)]:
+                work += cost.forward * (2 if checkpointed else 1) + cost.backward
         slowest = max(slowest, work)
     return slowest * (micro_batches + len(bounds) - 2)
 
 
 def plan_split(
-    cfg: RunConfig, traces: tuple[list[LayerTrace], int], shape: MicroBatchShape, split: Split
+    cfg: RunConfig,
+    traces: tuple[list[LayerTrace], int],
+    shape: MicroBatchShape,
+    split: Split,
+    times: list[LayerTime] | None = None,
 ) -> SplitPlan | str:
-    """The split's costs, or why the config cannot run on it."""
+    """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it."""
     micro_batches = micro_batches_per_replica(cfg.deepspeed, split.replicas)
     if isinstance(micro_batches, str):
         return micro_batches
@@ -160,7 +174,8 @@ def plan_split(
         backward_bytes=backward,
         replica_reduce=[e.params * gradient_bytes if split.replicas > 1 else 0 for e in estimates],
         tied_reduce=tied_reduce_bytes(layers, bounds, gradient_bytes),
-        critical_path=critical_path(cfg, layers, bounds, split.checkpoint_interval, micro_batches),
+        critical_path=critical_path(layers, relative_costs(cfg), bounds, split.checkpoint_interval, micro_batches),
+        step_seconds=critical_path(layers, times, bounds, split.checkpoint_interval, micro_batches) if times else None,
     )
 
 
@@ -212,9 +227,10 @@ def _size(value: float) -> str:
 def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, best: SplitPlan | None) -> str:
     fastest = min((p.critical_path for _, p in plans if isinstance(p, SplitPlan) and p.peak <= cluster.memory),
                   default=None)  # fmt: skip
+    timed = best is not None and best.step_seconds is not None
     lines = [
         f"{'stages x replicas':>17} {'ckpt':>4} {'micro':>5} {'peak GiB':>8} {'fits':>4} {'bubble':>6} "
-        f"{'p2p/step':>10} {'all-reduce':>10} {'compute':>7}"
+        f"{'p2p/step':>10} {'all-reduce':>10} {'step s' if timed else 'compute':>7}"
     ]
     for split, plan in plans:
         head = f"{f'{split.stages} x {split.replicas}':>17} {split.checkpoint_interval:>4}"
@@ -223,6 +239,8 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
             continue
         fits = plan.peak <= cluster.memory
         relative = f"{plan.critical_path / fastest:.2f}x" if fits and fastest else "-"
+        if timed:
+            relative = f"{plan.step_seconds:.2f}" if fits else "-"
         sent = max((f + b for f, b in zip(plan.forward_bytes, plan.backward_bytes, strict=True)), default=0)
         lines.append(
             f"{head} {plan.micro_batches:>5} {plan.peak / GiB:>8.2f} {'yes' if fits else 'no':>4} {plan.bubble:>6.1%} "
@@ -232,13 +250,20 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
     lines.append(
         "(ckpt: activation checkpoint interval; micro: micro-batches per replica and step; p2p: bytes over the "
         "busiest stage boundary per step, both ways; all-reduce: the largest stage's gradient bytes per step; "
-        "compute: the step's critical path without communication, relative to the fastest split that fits)"
+        + (
+            "step s: the step's critical path in per-layer times, without communication)"
+            if timed
+            else "compute: the step's critical path without communication, relative to the fastest split that fits)"
+        )
     )
     return "\n".join(lines)
 
 
-def plan_details(config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, checkpointing: int) -> str:
-    """The plan stage by stage, and the command that launches it (`checkpointing`: the config's interval)."""
+def plan_details(
+    config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, checkpointing: int, timed_on: str | None
+) -> str:
+    """The plan stage by stage, and the command that launches it (`checkpointing`: the config's interval;
+    `timed_on`: the device the per-layer times were measured on, if any)."""
     split = plan.split
     boundaries, groups = crossings(cluster, split)
     lines = [report(plan.cfg, plan.estimates, shape, split.replicas), ""]
@@ -260,10 +285,16 @@ def plan_details(config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: 
         )
     if plan.tied_reduce:
         lines.append(f"all-reduced per step among the stages that share the embedding: {_size(plan.tied_reduce)}")
-    lines.append(
-        "step time: unknown; fathom has no per-layer times measured on a GPU yet, so the plan ranks splits by "
-        "their critical path in per-layer costs"
-    )
+    if plan.step_seconds is None:
+        lines.append(
+            "step time: unknown; fathom has no per-layer times of the cluster's GPUs (run this with --time-layers "
+            "on one of them), so the plan ranks splits by their critical path in per-layer costs"
+        )
+    else:
+        lines.append(
+            f"step time: {plan.step_seconds:.2f} s from per-layer times measured on {timed_on} (the 1F1B critical "
+            "path; communication and the optimizer's step not included)"
+        )
     overrides = [f"pipeline.stages={split.stages}"]
     if split.checkpoint_interval != checkpointing:
         overrides.append(f"pipeline.activation_checkpoint_interval={split.checkpoint_interval}")
@@ -276,7 +307,7 @@ def plan_details(config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: 
 def choose(plans: list[tuple[Split, SplitPlan | str]], memory: int) -> SplitPlan | None:
     """The split that fits with the shortest critical path; on a tie, the fewer stages."""
     fitting = [plan for _, plan in plans if isinstance(plan, SplitPlan) and plan.peak <= memory]
-    return min(fitting, key=lambda plan: (plan.critical_path, plan.split.stages), default=None)
+    return min(fitting, key=lambda plan: (plan.step_seconds or plan.critical_path, plan.split.stages), default=None)
 
 
 def chosen_split(
@@ -313,6 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--stages", type=int, help="detail this stage count's split (config's checkpointing) instead")
     parser.add_argument("--sentences", type=int, help="pairs per micro-batch (default: from the config)")
+    parser.add_argument(
+        "--time-layers",
+        action="store_true",
+        help="time each distinct layer on this machine's GPU (else CPU) for a step time on devices of its kind",
+    )
     parser.add_argument(
         "--length", type=int, help="padded tokens per sentence (default: the data's longest pair, with eos)"
     )
@@ -354,7 +390,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg, length = planned_config(args.config, args.override, args.vocab_size, args.length)
         shape = micro_batch_shape(cfg, args.sentences, length)
         traces = trace_layers(cfg, shape.length)
-        plans = [(split, plan_split(cfg, traces, shape, split)) for split in splits(cfg, cluster.gpus)]
+        times = time_layers(cfg, shape.sentences, shape.length) if args.time_layers else None
+        plans = [(split, plan_split(cfg, traces, shape, split, times)) for split in splits(cfg, cluster.gpus)]
         best = choose(plans, cluster.memory)
         model = cfg.model
         print(
@@ -371,4 +408,5 @@ def main(argv: list[str] | None = None) -> None:
         checkpointing = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
         shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
         print()
-        print(plan_details(args.config, shown, shape, cluster, checkpointing))
+        timed_on = device_name() if args.time_layers else None
+        print(plan_details(args.config, shown, shape, cluster, checkpointing, timed_on))

@@ -10,6 +10,7 @@ from fathom.pipeline.config.run_config import load_config
 from fathom.planner.activation_trace import trace_layers
 from fathom.planner.cluster_plan import Cluster, Split, crossings, main, micro_batches_per_replica, plan_split
 from fathom.planner.estimate import GiB, MicroBatchShape, fill_vocab_and_length
+from fathom.planner.layer_times import LayerTime, time_layers
 from tests.helpers import ROOT, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
@@ -76,6 +77,28 @@ def test_the_shared_embedding_is_all_reduced_among_its_stages_only():
     assert two.replica_reduce == [estimate.params * 4 for estimate in two.estimates]
 
 
+@pytest.mark.parametrize("interval", [0, 1])
+def test_step_time_is_the_critical_path_of_layer_times(interval):
+    """On one stage, 4 micro-batches of every spec's forward (1 s) and backward (2 s), and with checkpointing
+    each Transformer layer's forward again; on two, the slower stage's, for 4 + 1 slots."""
+    cfg, _ = small(1, 1)
+    traces = trace_layers(cfg, 6)
+    times = [LayerTime(1.0, 2.0)] * len(traces[0])
+    one = plan_split(cfg, traces, MicroBatchShape(3, 6), Split(1, 1, interval), times)
+    assert one.step_seconds == 4 * (3 * len(times) + interval * 4)
+    two = plan_split(cfg, traces, MicroBatchShape(3, 6), Split(2, 1, interval), times)
+    slowest = max(3 * (e.stop - e.start) + interval * sum(t.checkpointable for t in traces[0][e.start : e.stop])
+                  for e in two.estimates)  # fmt: skip
+    assert two.step_seconds == 5 * slowest
+
+
+def test_layer_times_are_measured_for_every_spec():
+    cfg, _ = small(1, 1)
+    times = time_layers(cfg, 3, 6, repeats=1)
+    assert len(times) == len(trace_layers(cfg, 6)[0])
+    assert all(t.forward > 0 and t.backward > 0 for t in times)
+
+
 def test_a_replica_count_must_split_the_batch():
     ds = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 1}
     assert micro_batches_per_replica(ds, 8) == 16
@@ -102,6 +125,13 @@ def test_the_papers_500_layers_on_8_gpus(capsys):
     assert "1F1B bubble: 1 of 33 slots idle on every stage (3.0%)" in out
     assert "stage 0 -> 1:" in out and "(within a node)" in out
     assert f"--config {RECIPE} --override pipeline.stages=2" in out
+
+
+def test_a_step_time_from_layers_timed_here(capsys):
+    main(["--config", str(DEFAULT), "--gpus", "2", "--gpu-memory", "8GB", "--time-layers", "--override",
+          "model.encoder_layers=2", "model.decoder_layers=2"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "step s" in out and "from per-layer times measured on CPU" in out
 
 
 def test_a_plan_from_a_hostfile(tmp_path, capsys):

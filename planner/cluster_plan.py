@@ -2,7 +2,8 @@
 split costs.
 
     python scripts/plan_cluster.py --config RECIPE (--gpus N | --hostfile FILE) --gpu-memory 80GB
-        [--gpus-per-node 8] [--vocab-size V] [--length L] [--sentences B] [--override k=v ...]
+        [--gpus-per-node 8] [--vocab-size V] [--length L] [--sentences B] [--stages S] [--time-layers]
+        [--override k=v ...]
 
 Every split of the GPUs into pipeline stages x data-parallel replicas, with activation checkpointing as
 the recipe sets it and off, is held to four things:
@@ -18,7 +19,8 @@ the recipe sets it and off, is held to four things:
                 slots it waits through: the step's critical path, relative to the best split
 
 The split that fits with the shortest critical path is the plan. A step time in seconds needs per-layer
-times measured on the cluster's kind of GPU, which fathom does not have yet; the plan says so.
+times measured on the cluster's kind of GPU: --time-layers measures them on this machine's device
+(planner/layer_times.py); without them the plan says the step time is unknown.
 """
 
 from __future__ import annotations

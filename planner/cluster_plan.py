@@ -35,9 +35,9 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.corpus.filters import FilterSettings
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
-from fathom.pipeline.launch.command import read_hostfile
 from fathom.pipeline.parts.stage_cuts import layer_costs
 from fathom.planner.activation_trace import LayerTrace, trace_layers
+from fathom.planner.cluster import Cluster, cluster_of, crossings
 from fathom.planner.estimate import (
     GiB,
     MicroBatchShape,
@@ -47,7 +47,6 @@ from fathom.planner.estimate import (
     fill_vocab_and_length,
     micro_batch_shape,
     parameter_count,
-    parse_size,
     report,
     state_bytes,
 )
@@ -190,38 +189,6 @@ def splits(cfg: RunConfig, gpus: int) -> list[Split]:
             for stages in range(1, min(gpus, most_stages) + 1) if gpus % stages == 0]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Cluster:
-    gpus: int
-    nodes: list[int]  # GPUs per node, in rank order
-    memory: int  # bytes per GPU
-
-    def node_of(self, rank: int) -> int:
-        return next(node for node, end in enumerate(itertools.accumulate(self.nodes)) if rank < end)
-
-    def describe(self) -> str:
-        count = f"{len(self.nodes)} node{'s' if len(self.nodes) > 1 else ''}"
-        shape = (
-            f"{count} of {self.nodes[0]}"
-            if len(set(self.nodes)) == 1
-            else f"{count} of {', '.join(map(str, self.nodes))}"
-        )
-        return f"{self.gpus} GPUs ({shape}), {self.memory / GiB:.2f} GiB each"
-
-
-def crossings(cluster: Cluster, split: Split) -> tuple[list[bool], list[bool]]:
-    """Which stage boundaries and which stages' replica groups span nodes. DeepSpeed ranks a pipe x data
-    grid with the replicas adjacent: stage s, replica d is rank s x replicas + d."""
-    replicas = split.replicas
-
-    def node(stage: int, replica: int) -> int:
-        return cluster.node_of(stage * replicas + replica)
-
-    boundaries = [any(node(s, d) != node(s + 1, d) for d in range(replicas)) for s in range(split.stages - 1)]
-    groups = [len({node(s, d) for d in range(replicas)}) > 1 for s in range(split.stages)]
-    return boundaries, groups
-
-
 def _size(value: float) -> str:
     return f"{value / GiB:.2f} GiB" if value >= GiB else f"{value / MiB:.1f} MiB"
 
@@ -267,7 +234,7 @@ def plan_details(
     """The plan stage by stage, and the command that launches it (`checkpointing`: the config's interval;
     `timed_on`: the device the per-layer times were measured on, if any)."""
     split = plan.split
-    boundaries, groups = crossings(cluster, split)
+    boundaries, groups = crossings(cluster, split.stages, split.replicas)
     lines = [report(plan.cfg, plan.estimates, shape, split.replicas), ""]
     lines.append(
         f"1F1B bubble: {split.stages - 1} of {plan.micro_batches + split.stages - 1} slots idle on every stage "
@@ -355,16 +322,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--length", type=int, help="padded tokens per sentence (default: the data's longest pair, with eos)"
     )
     return parser.parse_args(argv)
-
-
-def cluster_of(gpus: int | None, hostfile: str | None, gpus_per_node: int, memory: str) -> Cluster:
-    """The cluster of a hostfile (its slots), else of `gpus` on nodes of `gpus_per_node`."""
-    if hostfile:
-        nodes = list(read_hostfile(hostfile).values())
-        return Cluster(sum(nodes), nodes, parse_size(memory))
-    check_counts({"--gpus": gpus, "--gpus-per-node": gpus_per_node})
-    full, left = divmod(gpus, gpus_per_node)
-    return Cluster(gpus, [gpus_per_node] * full + ([left] if left else []), parse_size(memory))
 
 
 def planned_config(

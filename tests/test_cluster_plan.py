@@ -8,7 +8,8 @@ from deepspeed.runtime.pipe import schedule
 
 from fathom.pipeline.config.run_config import load_config
 from fathom.planner.activation_trace import trace_layers
-from fathom.planner.cluster_plan import Cluster, Split, crossings, main, micro_batches_per_replica, plan_split
+from fathom.planner.cluster import Cluster, crossings
+from fathom.planner.cluster_plan import Split, main, micro_batches_per_replica, plan_split
 from fathom.planner.estimate import GiB, MicroBatchShape, fill_vocab_and_length
 from fathom.planner.layer_times import LayerTime, time_layers
 from tests.helpers import ROOT, launch
@@ -109,9 +110,9 @@ def test_a_replica_count_must_split_the_batch():
 def test_node_crossings_follow_deepspeeds_rank_grid():
     """Two nodes of 4: stage s, replica d is rank 4s + d (2 x 4) or 2s + d (4 x 2)."""
     cluster = Cluster(8, [4, 4], 80 * GiB)
-    assert crossings(cluster, Split(2, 4, 1)) == ([True], [False, False])
-    assert crossings(cluster, Split(4, 2, 1)) == ([False, True, False], [False] * 4)
-    assert crossings(cluster, Split(1, 8, 1)) == ([], [True])
+    assert crossings(cluster, 2, 4) == ([True], [False, False])
+    assert crossings(cluster, 4, 2) == ([False, True, False], [False] * 4)
+    assert crossings(cluster, 1, 8) == ([], [True])
 
 
 def test_the_papers_500_layers_on_8_gpus(capsys):

@@ -49,6 +49,7 @@ BASE = {  # each command's required arguments, pointing into the test's empty tm
     "estimate_memory": ["--config", "{tmp}/config.json", CASE],
     "generate": ["--checkpoint", "{tmp}/run", "--data", "{tmp}/data", CASE],
     "launch": [CASE, "scripts/train.py", "--config", "{tmp}/config.json"],
+    "plan_cluster": ["--config", "{tmp}/config.json", "--gpu-memory", "80GB", CASE],
     "prepare_data": ["--src", "de", "--tgt", "en", "--train", "{tmp}/train", "--valid", "{tmp}/valid"]
     + ["--vocab-size", "100", "--out", "{tmp}/out", CASE],
     "translate": ["--checkpoint", "{tmp}/run", "--data", "{tmp}/data", "--input", "{tmp}/in.de"]
@@ -96,6 +97,9 @@ CASES = [
     Case("prepare_data", "--max-ratio", "nan", f"--max-ratio: {FINITE} nan"),
     Case("prepare_data", "--max-ratio", "inf", f"--max-ratio: {FINITE} inf"),
     Case("prepare_data", "--workers", "0", "--workers: must be at least 1, got 0"),
+    Case("plan_cluster", "--gpus", "0", "--gpus: must be at least 1, got 0"),
+    *(Case("plan_cluster", option, "0", f"{option}: must be at least 1, got 0", ("--gpus", "8"))
+      for option in ("--gpus-per-node", "--vocab-size", "--stages", "--sentences", "--length")),
     Case("bench_translate", "--sentences", "-1", "--sentences: must be at least 0 (0: the whole split), got -1"),
     Case("bench_translate", "--rounds", "0", "--rounds: must be at least 1, got 0"),
     Case("bench_translate", "--threads", "0", "--threads: must be at least 1, got 0"),

@@ -1,0 +1,51 @@
+"""The cluster a plan is for: its GPUs, how they sit on nodes, and where DeepSpeed puts a run's ranks on them."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from fathom.common.errors import check_counts
+from fathom.pipeline.launch.command import read_hostfile
+from fathom.planner.estimate import GiB, parse_size
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    nodes: list[int]  # GPUs per node, in rank order
+    memory: int  # bytes per GPU
+
+    def node_of(self, rank: int) -> int:
+        return next(node for node, end in enumerate(itertools.accumulate(self.nodes)) if rank < end)
+
+    def describe(self) -> str:
+        count = f"{len(self.nodes)} node{'s' if len(self.nodes) > 1 else ''}"
+        shape = (
+            f"{count} of {self.nodes[0]}"
+            if len(set(self.nodes)) == 1
+            else f"{count} of {', '.join(map(str, self.nodes))}"
+        )
+        return f"{self.gpus} GPUs ({shape}), {self.memory / GiB:.2f} GiB each"
+
+
+def crossings(cluster: Cluster, stages: int, replicas: int) -> tuple[list[bool], list[bool]]:
+    """Which stage boundaries and which stages' replica groups span nodes. DeepSpeed ranks a pipe x data
+    grid with the replicas adjacent: stage s, replica d is rank s x replicas + d."""
+
+    def node(stage: int, replica: int) -> int:
+        return cluster.node_of(stage * replicas + replica)
+
+    boundaries = [any(node(s, d) != node(s + 1, d) for d in range(replicas)) for s in range(stages - 1)]
+    groups = [len({node(s, d) for d in range(replicas)}) > 1 for s in range(stages)]
+    return boundaries, groups
+
+
+def cluster_of(gpus: int | None, hostfile: str | None, gpus_per_node: int, memory: str) -> Cluster:
+    """The cluster of a hostfile (its slots), else of `gpus` on nodes of `gpus_per_node`."""
+    if hostfile:
+        nodes = list(read_hostfile(hostfile).values())
+        return Cluster(sum(nodes), nodes, parse_size(memory))
+    check_counts({"--gpus": gpus, "--gpus-per-node": gpus_per_node})
+    full, left = divmod(gpus, gpus_per_node)
+    return Cluster(gpus, [gpus_per_node] * full + ([left] if left else []), parse_size(memory))

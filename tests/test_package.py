@@ -39,8 +39,8 @@ def test_each_script_is_a_command():
     """Every script users run has its command (the benchmarks and the fairseq set-up excepted)."""
     targets = {target.split(":")[0] for target in console_scripts().values()}
     for script in ("prepare_data", "train", "launch", "generate", "translate", "convert_to_fairseq",
-                   "convert_from_fairseq", "average_checkpoints", "estimate_memory", "depth_study", "list_schemes",
-                   "zero_to_fp32"):  # fmt: skip
+                   "convert_from_fairseq", "average_checkpoints", "estimate_memory", "plan_cluster", "depth_study",
+                   "list_schemes", "zero_to_fp32"):  # fmt: skip
         text = (ROOT / "scripts" / f"{script}.py").read_text()
         assert any(f"from {module} import main" in text for module in targets), f"scripts/{script}.py has no command"
 

@@ -64,7 +64,15 @@ from fathom.pipeline.engine.cuda_graphs import graph_layers
 from fathom.pipeline.engine.internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
 from fathom.pipeline.engine.patches import patch_training
 from fathom.tools.in_process_engine import built_engine, check_device
-from fathom.tools.timed_steps import ADAMW, Step, plain_loop, synchronized, synthetic_batch, time_steps, to_device
+from fathom.tools.timed_steps import (
+    Step,
+    deepspeed_config,
+    plain_loop,
+    synchronized,
+    synthetic_batch,
+    time_steps,
+    to_device,
+)
 
 # the host's launch calls: a kernel, or a CUDA graph of many
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
@@ -125,18 +133,8 @@ def plain_step(bench: ProfileBench, batch: MicroBatch, checkpoint_interval: int 
 def profile_config(bench: ProfileBench) -> dict[str, Any]:
     """Training's DeepSpeed config at one stage, as ds_configs/branchnorm_500L.json has it (ZeRO-1,
     clipping at 1.0), with the plain loop's AdamW and no LR schedule."""
-    bf16 = bench.precision == "bf16"
-    return {
-        "train_batch_size": bench.batch * bench.micro_batches,
-        "train_micro_batch_size_per_gpu": bench.batch,
-        "gradient_accumulation_steps": bench.micro_batches,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-        "bf16": {"enabled": bf16},
-        "gradient_clipping": 1.0,
-        "pipeline": {"stages": 1, "activation_checkpoint_interval": bench.checkpoint_interval},
-    }
+    return deepspeed_config(bench.batch, bench.precision == "bf16", bench.micro_batches, zero_stage=1, clipping=1.0,
+                            checkpoint_interval=bench.checkpoint_interval)  # fmt: skip
 
 
 def use_deepspeeds_own(engine: deepspeed.PipelineEngine) -> None:

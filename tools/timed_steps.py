@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,32 @@ from fathom.model.model_config import NUM_SPECIAL
 
 # ds_configs/default.json's optimizer, here for both the plain loops and the engine.
 ADAMW = {"lr": 0.001, "betas": [0.9, 0.98], "eps": 1e-8, "weight_decay": 0.0001, "fused": True}
+
+
+def deepspeed_config(
+    batch: int,
+    bf16: bool,
+    micro_batches: int = 1,
+    zero_stage: int | None = None,
+    clipping: float = 0.0,
+    checkpoint_interval: int = 0,
+) -> dict[str, Any]:
+    """The plain loop's step as a DeepSpeed pipeline config: one stage, `micro_batches` of `batch` pairs
+    per step, torch's AdamW, no LR schedule; by default one micro-batch, no activation checkpointing and
+    no gradient clipping. bf16 as training runs it: ZeRO-1 unless told (fp32 master weights; fathom
+    refuses bf16 without ZeRO, which cannot resume)."""
+    return {
+        "train_batch_size": batch * micro_batches,
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": micro_batches,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},  # Adam type + adam_w_mode: AdamW
+        "zero_optimization": {"stage": (1 if bf16 else 0) if zero_stage is None else zero_stage},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": clipping,
+        "pipeline": {"stages": 1, "activation_checkpoint_interval": checkpoint_interval},
+    }
+
 
 Step = Callable[[], object]
 

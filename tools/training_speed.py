@@ -25,7 +25,6 @@ import itertools
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -36,7 +35,15 @@ from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.norms import build_scheme
 from fathom.model.transformer import Transformer
 from fathom.tools.in_process_engine import built_engine, check_device
-from fathom.tools.timed_steps import ADAMW, Step, plain_loop, synchronized, synthetic_batch, time_steps, weights_dtype
+from fathom.tools.timed_steps import (
+    Step,
+    deepspeed_config,
+    plain_loop,
+    synchronized,
+    synthetic_batch,
+    time_steps,
+    weights_dtype,
+)
 from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, import_torchscale, torchscale_model
 
 PRECISIONS = ("fp32", "bf16", "autocast")  # what the benchmark trains in
@@ -146,23 +153,6 @@ def torchscale_step(cfg: ModelConfig, batch: MicroBatch, precision: str, device:
     model = torchscale_model(cfg, max(src_tokens.size(1), prev_output_tokens.size(1)) + 2)
     model = model.to(device, weights_dtype(precision)).train()
     yield plain_loop(model, lambda src, prev: model(src, prev)[0], batch, precision, device)
-
-
-def deepspeed_config(batch: int, bf16: bool) -> dict[str, Any]:
-    """The plain loop's step as a DeepSpeed pipeline config: one stage, one micro-batch per step,
-    no activation checkpointing, torch's AdamW, no LR schedule, no gradient clipping. bf16 as training
-    runs it: ZeRO-1 (fp32 master weights; fathom refuses bf16 without ZeRO, which cannot resume)."""
-    return {
-        "train_batch_size": batch,
-        "train_micro_batch_size_per_gpu": batch,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "optimizer": {"type": "Adam", "params": {**ADAMW, "torch_adam": True}},  # Adam type + adam_w_mode: AdamW
-        "zero_optimization": {"stage": 1 if bf16 else 0},
-        "bf16": {"enabled": bf16},
-        "gradient_clipping": 0.0,
-        "pipeline": {"stages": 1, "activation_checkpoint_interval": 0},
-    }
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.corpus.filters import FilterSettings
+from fathom.pipeline.config.deepspeed_values import accumulation, check_deepspeed
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
 from fathom.pipeline.parts.stage_cuts import layer_costs
 from fathom.planner.activation_trace import LayerTrace, trace_layers
@@ -88,21 +89,6 @@ class SplitPlan:
         return max(estimate.peak for estimate in self.estimates)
 
 
-def micro_batches_per_replica(ds: dict, replicas: int) -> int | str:
-    """Each replica's micro-batches per step as DeepSpeed derives them, or why this replica count cannot
-    hold the config's batch."""
-    micro = ds["train_micro_batch_size_per_gpu"]
-    if "train_batch_size" not in ds:
-        return ds.get("gradient_accumulation_steps", 1)
-    total = ds["train_batch_size"]
-    per_replica, left = divmod(total, micro * replicas)
-    if left or not per_replica:
-        return f"train_batch_size {total} is not a multiple of {micro} x {replicas} replicas"
-    if ds.get("gradient_accumulation_steps", per_replica) != per_replica:
-        return f"train_batch_size {total} is not {micro} x gradient_accumulation_steps x {replicas} replicas"
-    return per_replica
-
-
 def stage_traffic(
     layers: list[LayerTrace], bounds: list[int], sentences: int, micro_batches: int
 ) -> tuple[list[int], list[int]]:
@@ -155,12 +141,16 @@ def plan_split(
     split: Split,
     times: list[LayerTime] | None = None,
 ) -> SplitPlan | str:
-    """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it."""
-    micro_batches = micro_batches_per_replica(cfg.deepspeed, split.replicas)
-    if isinstance(micro_batches, str):
-        return micro_batches
-    pipeline = {**cfg.deepspeed["pipeline"], "activation_checkpoint_interval": split.checkpoint_interval}
+    """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it:
+    the config check a launch on the split's GPUs would fail."""
+    pipeline = {**cfg.deepspeed["pipeline"], "stages": split.stages,
+                "activation_checkpoint_interval": split.checkpoint_interval}  # fmt: skip
     cfg = dataclasses.replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline})
+    try:
+        check_deepspeed(cfg.deepspeed, cfg.model, world_size=split.stages * split.replicas)
+    except ConfigError as err:
+        return str(err)
+    micro_batches = accumulation(cfg.deepspeed, split.replicas)
     estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas)
     layers = traces[0]
     bounds = [estimate.start for estimate in estimates] + [estimates[-1].stop]

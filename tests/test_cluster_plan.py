@@ -9,7 +9,7 @@ from deepspeed.runtime.pipe import schedule
 from fathom.pipeline.config.run_config import load_config
 from fathom.planner.activation_trace import trace_layers
 from fathom.planner.cluster import Cluster, crossings
-from fathom.planner.cluster_plan import Split, main, micro_batches_per_replica, plan_split
+from fathom.planner.cluster_plan import Split, main, plan_split
 from fathom.planner.estimate import GiB, MicroBatchShape, fill_vocab_and_length
 from fathom.planner.layer_times import LayerTime, time_layers
 from tests.helpers import ROOT, launch
@@ -101,10 +101,19 @@ def test_layer_times_are_measured_for_every_spec():
 
 
 def test_a_replica_count_must_split_the_batch():
-    ds = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 1}
-    assert micro_batches_per_replica(ds, 8) == 16
-    assert micro_batches_per_replica(ds, 3) == "train_batch_size 128 is not a multiple of 1 x 3 replicas"
-    assert "gradient_accumulation_steps" in micro_batches_per_replica({**ds, "gradient_accumulation_steps": 4}, 8)
+    """Refused as a launch on that many replicas would be: the config check's own line."""
+    shrunk = ["data.path=null", "model.src_vocab_size=8", "model.tgt_vocab_size=8", "model.encoder_layers=2",
+              "model.decoder_layers=2"]  # fmt: skip
+    cfg = load_config(RECIPE, shrunk, world_size=None)  # 128 micro-batches of 1 an update
+    traces = trace_layers(cfg, 6)
+    assert plan_split(cfg, traces, MicroBatchShape(1, 6), Split(1, 8, 1)).micro_batches == 16
+    assert plan_split(cfg, traces, MicroBatchShape(1, 6), Split(1, 3, 1)) == (
+        "train_batch_size: 128 is not a multiple of train_micro_batch_size_per_gpu 1 x 3 data-parallel ranks"
+    )
+    fixed = load_config(DEFAULT, [], world_size=None)  # train_batch_size 32 = 8 x gradient_accumulation_steps 4
+    fill_vocab_and_length(fixed, 6)
+    refused = plan_split(fixed, trace_layers(fixed, 6), MicroBatchShape(8, 6), Split(1, 2, 0))
+    assert refused.startswith("train_batch_size: 32 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps")
 
 
 def test_node_crossings_follow_deepspeeds_rank_grid():
@@ -153,7 +162,8 @@ def test_a_plan_from_a_hostfile(tmp_path, capsys):
         (["--gpus", "8", "--gpu-memory", "80GB", "--vocab-size", "40008", "--stages", "3"],
          "--stages 3: not a divisor"),
         (["--gpus", "6", "--gpu-memory", "80GB", "--vocab-size", "40008", "--stages", "2"],
-         "--stages 2: train_batch_size 128 is not a multiple of 1 x 3 replicas"),
+         "--stages 2: train_batch_size: 128 is not a multiple of train_micro_batch_size_per_gpu 1 x 3 data-parallel "
+         "ranks"),
         (["--gpus", "8", "--gpu-memory", "eighty", "--vocab-size", "40008"], "expected a size like 80GB"),
     ],
 )  # fmt: skip

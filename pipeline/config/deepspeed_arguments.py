@@ -54,10 +54,10 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
     scheduler = ds.get("scheduler")
     if isinstance(scheduler, dict):
         name = scheduler.get("type")
-        if name not in (*lr_schedules.VALID_LR_SCHEDULES, inverse_sqrt.NAME):
-            choices = ", ".join((*lr_schedules.VALID_LR_SCHEDULES, inverse_sqrt.NAME))
+        known = (*lr_schedules.VALID_LR_SCHEDULES, inverse_sqrt.NAME)
+        if name not in known:
             raise ConfigError(
-                f"scheduler.type: {name!r} is neither DeepSpeed's scheduler nor fathom's; use one of {choices}"
+                f"scheduler.type: {name!r} is neither DeepSpeed's scheduler nor fathom's; use one of {', '.join(known)}"
             )
         if "params" not in scheduler:
             raise ConfigError(

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from fathom.common.errors import check_counts
 from fathom.pipeline.launch.command import read_hostfile
-from fathom.planner.estimate import GiB, parse_size
+from fathom.pipeline.parts.stage_memory import parse_size
+from fathom.pipeline.reports.memory import GiB
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ split costs.
         [--override k=v ...]
 
 Every split of the GPUs into pipeline stages x data-parallel replicas, with activation checkpointing as
-the recipe sets it and off, is held to four things:
+the recipe sets it (for "auto", the interval a launch would choose in --gpu-memory, or train.memory_budget)
+and off, is held to four things:
 
     memory      each stage's peak (planner/estimate.py) against --gpu-memory
     bubble      1F1B idles each stage (S - 1) of every (M + S - 1) forward and backward slots of a step,
@@ -34,23 +35,23 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.corpus.filters import FilterSettings
-from fathom.pipeline.config.deepspeed_values import accumulation, check_deepspeed
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, accumulation, check_deepspeed
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
+from fathom.pipeline.parts.activation_trace import LayerTrace, trace_layers
+from fathom.pipeline.parts.auto_checkpointing import choose_interval, memory_to_fit, with_interval
 from fathom.pipeline.parts.stage_cuts import layer_costs
-from fathom.planner.activation_trace import LayerTrace, trace_layers
-from fathom.planner.cluster import Cluster, cluster_of, crossings
-from fathom.planner.estimate import (
-    GiB,
+from fathom.pipeline.parts.stage_memory import (
     MicroBatchShape,
     StageEstimate,
     checkpoint_runs,
     estimate_stages,
-    fill_vocab_and_length,
     micro_batch_shape,
     parameter_count,
-    report,
     state_bytes,
 )
+from fathom.pipeline.reports.memory import GiB
+from fathom.planner.cluster import Cluster, cluster_of, crossings
+from fathom.planner.estimate import fill_vocab_and_length, report
 from fathom.planner.layer_times import LayerTime, device_name, time_layers
 
 # DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
@@ -140,16 +141,23 @@ def plan_split(
     shape: MicroBatchShape,
     split: Split,
     times: list[LayerTime] | None = None,
+    memory: int | None = None,
 ) -> SplitPlan | str:
     """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it:
-    the config check a launch on the split's GPUs would fail."""
+    the config check a launch on the split's GPUs would fail. A split whose interval is "auto" gets the one
+    a launch would choose on GPUs of `memory` bytes."""
     pipeline = {**cfg.deepspeed["pipeline"], "stages": split.stages,
                 "activation_checkpoint_interval": split.checkpoint_interval}  # fmt: skip
     cfg = dataclasses.replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline})
     try:
         check_deepspeed(cfg.deepspeed, cfg.model, world_size=split.stages * split.replicas)
+        if split.checkpoint_interval == AUTO_INTERVAL:
+            fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
+            choice = choose_interval(cfg, traces, shape, split.stages, split.replicas, "gpu", fitted, source)
+            cfg = with_interval(cfg, choice)
     except ConfigError as err:
         return str(err)
+    interval = cfg.deepspeed["pipeline"]["activation_checkpoint_interval"]
     micro_batches = accumulation(cfg.deepspeed, split.replicas)
     estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas)
     layers = traces[0]
@@ -165,8 +173,8 @@ def plan_split(
         backward_bytes=backward,
         replica_reduce=[e.params * gradient_bytes if split.replicas > 1 else 0 for e in estimates],
         tied_reduce=tied_reduce_bytes(layers, bounds, gradient_bytes),
-        critical_path=critical_path(layers, relative_costs(cfg), bounds, split.checkpoint_interval, micro_batches),
-        step_seconds=critical_path(layers, times, bounds, split.checkpoint_interval, micro_batches) if times else None,
+        critical_path=critical_path(layers, relative_costs(cfg), bounds, interval, micro_batches),
+        step_seconds=critical_path(layers, times, bounds, interval, micro_batches) if times else None,
     )
 
 
@@ -192,7 +200,10 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
         f"{'p2p/step':>10} {'all-reduce':>10} {'step s' if timed else 'compute':>7}"
     ]
     for split, plan in plans:
-        head = f"{f'{split.stages} x {split.replicas}':>17} {split.checkpoint_interval:>4}"
+        interval = split.checkpoint_interval
+        if isinstance(plan, SplitPlan) and interval == AUTO_INTERVAL:  # as "auto" chose it
+            interval = f"{plan.cfg.deepspeed['pipeline']['activation_checkpoint_interval']}*"
+        head = f"{f'{split.stages} x {split.replicas}':>17} {interval:>4}"
         if isinstance(plan, str):
             lines.append(f"{head}  {plan}")
             continue
@@ -207,8 +218,9 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
             + ("  <- plan" if plan is best else "")
         )
     lines.append(
-        "(ckpt: activation checkpoint interval; micro: micro-batches per replica and step; p2p: bytes over the "
-        "busiest stage boundary per step, both ways; all-reduce: the largest stage's gradient bytes per step; "
+        '(ckpt: activation checkpoint interval, * as "auto" chooses it; micro: micro-batches per replica and step; '
+        "p2p: bytes over the busiest stage boundary per step, both ways; all-reduce: the largest stage's gradient "
+        "bytes per step; "
         + (
             "step s: the step's critical path in per-layer times, without communication)"
             if timed
@@ -340,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = micro_batch_shape(cfg, args.sentences, length)
         traces = trace_layers(cfg, shape.length)
         times = time_layers(cfg, shape.sentences, shape.length) if args.time_layers else None
-        plans = [(split, plan_split(cfg, traces, shape, split, times)) for split in splits(cfg, cluster.gpus)]
+        plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory))
+                 for split in splits(cfg, cluster.gpus)]  # fmt: skip
         best = choose(plans, cluster.memory)
         model = cfg.model
         print(

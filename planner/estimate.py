@@ -13,155 +13,40 @@
 Activation bytes are not a formula: one layer of each kind runs forward on one sentence under
 saved-tensor hooks, which record exactly what autograd keeps (whatever the norm scheme, attention
 kernel and precision), and that scales with the sentences of a micro-batch.
+
+A config's pipeline.activation_checkpoint_interval "auto" is the interval a launch would choose
+(pipeline/parts/auto_checkpointing.py) to fit train.memory_budget, else --gpu-memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
-from fathom.pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, accumulation, zero_optimization_stage
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
-from fathom.pipeline.parts.stage_cuts import stage_bounds
+from fathom.pipeline.parts.activation_trace import LayerTrace, precision, trace_layers
+from fathom.pipeline.parts.auto_checkpointing import (
+    BUDGET_KEY,
+    INTERVAL_KEY,
+    choose_interval,
+    memory_to_fit,
+    requested_interval,
+    with_interval,
+)
+from fathom.pipeline.parts.stage_memory import (
+    MicroBatchShape,
+    StageEstimate,
+    estimate_stages,
+    micro_batch_shape,
+    parse_size,
+    state_bytes,
+)
 from fathom.pipeline.reports.memory import GiB, MeasuredPeak
-from fathom.planner.activation_trace import LayerTrace, precision, trace_layers
-
-GB = 10**9
-# A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
-# gloo, autograd's threads): measured 45-140 MiB above the estimate at 6 to 96 layers
-# (docs/BENCHMARKS.md). A GPU's allocator counts none of it.
-CPU_RUNTIME_BYTES = 128 * 2**20
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per parameter of one precision/ZeRO mode of DeepSpeed 0.19 (runtime/engine.py picks the
-    optimizer wrapper in _do_optimizer_sanity_check)."""
-
-    weights: int  # the module's parameters
-    gradients: int  # param.grad
-    replicated: int  # further optimizer state every data-parallel rank holds in full
-    sharded: int  # optimizer state ZeRO-1 splits over the data-parallel ranks
-    flatten: int  # transient: gradients flattened for the all-reduce across replicas
-    step: int  # transient, sharded: temporaries of Adam's update of the flat fp32 partition
-
-
-STATE_BYTES = {
-    # torch AdamW: exp_avg and exp_avg_sq
-    ("fp32", 0): StateBytes(4, 4, 8, 0, 4, 0),
-    # ZeRO-1: an fp32 master partition + exp_avg + exp_avg_sq; at the step the partition's flat
-    # gradients, and Adam's sqrt and division each allocate a partition-sized temporary
-    ("fp32", 1): StateBytes(4, 4, 0, 12, 4, 12),
-    # ZeRO-1 with bf16 gradients: as fp32 (the flat gradient partition cast to fp32)
-    ("bf16", 1): StateBytes(2, 2, 0, 12, 2, 12),
-    # (bf16 without ZeRO is refused by the config check: DeepSpeed cannot resume it)
-}
-
-
-@dataclass(frozen=True)
-class MicroBatchShape:
-    """The largest micro-batch: `sentences` pairs padded to `length` tokens on both sides."""
-
-    sentences: int
-    length: int
-
-
-@dataclass
-class StageEstimate:
-    stage: int
-    start: int  # spec indices [start, stop)
-    stop: int
-    params: int
-    model_states: int  # bytes: parameters, gradients, optimizer state
-    activations: int  # bytes held for backward, recomputation included
-    transient: int  # bytes allocated only around the optimizer step
-    runtime: int  # bytes a process holds whatever the model (CPU_RUNTIME_BYTES on a CPU)
-
-    @property
-    def peak(self) -> int:
-        """Activations are gone by the step, so the two never add up."""
-        return self.runtime + self.model_states + max(self.activations, self.transient)
-
-
-def state_bytes(cfg: RunConfig) -> StateBytes:
-    per_param = STATE_BYTES[precision(cfg), zero_optimization_stage(cfg.deepspeed)]
-    params = cfg.deepspeed.get("optimizer", {}).get("params", {})
-    if params.get("torch_adam") and params.get("fused"):
-        # torch's fused AdamW updates in place: of the step's temporaries only the flat fp32 gradients remain
-        return dataclasses.replace(per_param, step=min(per_param.step, 4))
-    return per_param
-
-
-def checkpoint_runs(stage: list[LayerTrace], interval: int) -> Iterator[tuple[int, list[LayerTrace], bool]]:
-    """A stage's layers as DeepSpeed runs them: runs of `interval` layers (their first index in the stage,
-    the layers, whether checkpointed), checkpointed if every layer of the run can be; interval 0: one run."""
-    for at in range(0, len(stage), interval or len(stage)):
-        run = stage[at : at + interval] if interval else stage
-        yield at, run, bool(interval) and all(layer.checkpointable for layer in run)
-
-
-def parameter_count(layers: list[LayerTrace]) -> int:
-    """The parameters of these layers, a tied module's once."""
-    tied = {layer.tied_key: layer.params for layer in layers if layer.tied_key}
-    return sum(layer.params for layer in layers if not layer.tied_key) + sum(tied.values())
-
-
-def estimate_stages(
-    cfg: RunConfig,
-    traces: tuple[list[LayerTrace], int],
-    shape: MicroBatchShape,
-    stages: int,
-    data_parallel: int = 1,
-    device: str = "gpu",
-) -> list[StageEstimate]:
-    """Every stage's memory when the model is cut into `stages` (as pipeline/parts/stage_cuts.py cuts it)."""
-    layers, loss_saved = traces
-    per_param = state_bytes(cfg)
-    interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
-    micro_batches = accumulation(cfg.deepspeed, data_parallel)
-    flatten = per_param.flatten if gradients_all_reduced(data_parallel) else 0
-    estimates = []
-    for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
-        mine = layers[start:stop]
-        inputs = [layers[i - 1] if i else None for i in range(start, stop)]  # each layer's producer
-        held, recompute = 0, 0
-        for at, chunk, checkpointed in checkpoint_runs(mine, interval):
-            if checkpointed:
-                held += inputs[at].stream if inputs[at] else 0
-                recompute = max(recompute, sum(layer.saved for layer in chunk))
-            else:
-                held += sum(layer.saved for layer in chunk)
-        held += max((producer.riders for producer in inputs if producer), default=0)
-        last = stage == stages - 1
-        held += loss_saved if last else mine[-1].stream + mine[-1].riders
-        in_flight = min(stages - stage, micro_batches)
-        params = parameter_count(mine)
-        sharded = params / data_parallel
-        estimates.append(
-            StageEstimate(
-                stage=stage,
-                start=start,
-                stop=stop,
-                params=params,
-                model_states=int(
-                    params * (per_param.weights + per_param.gradients + per_param.replicated)
-                    + sharded * per_param.sharded
-                ),
-                activations=shape.sentences * (in_flight * held + recompute),
-                transient=int(max(params * flatten, sharded * per_param.step)),
-                runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
-            )
-        )
-    return estimates
 
 
 def smallest_stage_count(
@@ -197,15 +82,6 @@ def smallest_stage_count(
     return high
 
 
-def parse_size(text: str) -> int:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*(GB|GiB|MB|MiB)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"--gpu-memory {text!r}: expected a size like 80GB or 40GiB")
-    units = {"gb": GB, "gib": GiB, "mb": 10**6, "mib": 2**20}
-    return int(float(match[1]) * units[(match[2] or "GB").lower()])
-
-
 def fill_vocab_and_length(cfg: RunConfig, length: int | None) -> int:
     """Fills the vocabulary sizes the config leaves out from the data's dictionaries, and returns
     `length`, else the data's longest pair (with eos); reads the data only if one of them is missing."""
@@ -216,15 +92,6 @@ def fill_vocab_and_length(cfg: RunConfig, length: int | None) -> int:
     if vocab_missing:
         cfg.model = with_vocab(cfg.model, corpus)
     return length or int(corpus.lengths().max())
-
-
-def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> MicroBatchShape:
-    """The worst micro-batch of the run: pairs padded to `length`, as many as the batch size or the
-    token budget allows unless given."""
-    if sentences is None:
-        budget = cfg.data.max_tokens
-        sentences = max(1, budget // length) if budget else cfg.deepspeed["train_micro_batch_size_per_gpu"]
-    return MicroBatchShape(sentences, length)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,6 +168,14 @@ def main(argv: list[str] | None = None) -> None:
         memory = parse_size(args.gpu_memory) if args.gpu_memory else None
         shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
+        if requested_interval(cfg) == AUTO_INTERVAL:
+            if memory is None and cfg.train.memory_budget is None:
+                raise ConfigError(f'{INTERVAL_KEY}: "{AUTO_INTERVAL}" fits a memory; give --gpu-memory, or set '
+                                  f"{BUDGET_KEY}")  # fmt: skip
+            fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
+            choice = choose_interval(cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fitted, source)
+            print(choice.line())
+            cfg = with_interval(cfg, choice)
         estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
         print(report(cfg, estimates, shape, args.data_parallel))
         print(f"largest stage peak: {max(e.peak for e in estimates) / GiB:.2f} GiB")

@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.parts.activation_trace import each_distinct_layer, sample_tokens
 from fathom.pipeline.parts.stage_modules import PipePart
-from fathom.planner.activation_trace import each_distinct_layer, sample_tokens
 
 
 @dataclass(frozen=True)

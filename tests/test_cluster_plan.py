@@ -7,10 +7,12 @@ import pytest
 from deepspeed.runtime.pipe import schedule
 
 from fathom.pipeline.config.run_config import load_config
-from fathom.planner.activation_trace import trace_layers
+from fathom.pipeline.parts.activation_trace import trace_layers
+from fathom.pipeline.parts.stage_memory import MicroBatchShape
+from fathom.pipeline.reports.memory import GiB
 from fathom.planner.cluster import Cluster, crossings
 from fathom.planner.cluster_plan import Split, main, plan_split
-from fathom.planner.estimate import GiB, MicroBatchShape, fill_vocab_and_length
+from fathom.planner.estimate import fill_vocab_and_length
 from fathom.planner.layer_times import LayerTime, time_layers
 from tests.helpers import ROOT, launch
 

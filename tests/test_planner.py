@@ -1,4 +1,5 @@
-"""The memory planner (planner/estimate.py): its arithmetic by hand, and its prediction against a real run."""
+"""The memory planner (pipeline/parts/stage_memory.py, planner/estimate.py): its arithmetic by hand, and its
+prediction against a real run."""
 
 import json
 import subprocess
@@ -8,18 +9,16 @@ import pytest
 
 from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.run_config import load_config
-from fathom.planner.activation_trace import trace_layers
-from fathom.planner.estimate import (
+from fathom.pipeline.parts.activation_trace import trace_layers
+from fathom.pipeline.parts.stage_memory import (
     CPU_RUNTIME_BYTES,
-    GiB,
     MicroBatchShape,
     estimate_stages,
-    fill_vocab_and_length,
-    main,
     micro_batch_shape,
     parse_size,
-    smallest_stage_count,
 )
+from fathom.pipeline.reports.memory import GiB
+from fathom.planner.estimate import fill_vocab_and_length, main, smallest_stage_count
 from tests.helpers import ROOT, launch
 
 TINY = [

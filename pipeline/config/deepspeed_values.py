@@ -24,6 +24,9 @@ from fathom.pipeline.parts.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/parts/stage_cuts.py
+CHECKPOINT_INTERVAL = "activation_checkpoint_interval"  # of the pipeline section
+# pipeline.activation_checkpoint_interval chosen at launch to fit the memory (pipeline/parts/auto_checkpointing.py)
+AUTO_INTERVAL = "auto"
 
 
 def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = "") -> int | None:
@@ -48,7 +51,8 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     for key, value in pipeline.items():
         if key not in known:
             raise unknown_key_error(f"pipeline.{key}", known)
-        if isinstance(known[key], bool | int):  # DeepSpeed's switches and counts; fathom checks the rest
+        # DeepSpeed's switches and counts; fathom checks the rest
+        if isinstance(known[key], bool | int) and key != CHECKPOINT_INTERVAL:
             check_value(value, type(known[key]), f"pipeline.{key}")
     stages = _require_int(pipeline, "stages", section="pipeline.")
     layers = cfg.encoder_layers + cfg.decoder_layers
@@ -57,14 +61,19 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
         )
     check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
-    _require_int(pipeline, "activation_checkpoint_interval", minimum=0, section="pipeline.")
+    interval = pipeline.get(CHECKPOINT_INTERVAL, 0)
+    if interval != AUTO_INTERVAL and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
+        raise ConfigError(
+            f"pipeline.{CHECKPOINT_INTERVAL}: expected an integer >= 0 (0: no checkpointing) or "
+            f'"{AUTO_INTERVAL}" (the least recomputation that fits the memory), got {interval!r}'
+        )
     _require_int(ds, "steps_per_print")
     clipping = ds.get("gradient_clipping", 0.0)
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
     # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
-    if pipeline.get("use_reentrant", False) and pipeline.get("activation_checkpoint_interval", 0) > 0:
+    if pipeline.get("use_reentrant", False) and (interval == AUTO_INTERVAL or interval > 0):
         raise ConfigError(
             "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
             "a stage boundary; set it false (fathom's default: pipeline/config/engine_defaults.py)"

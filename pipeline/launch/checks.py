@@ -22,6 +22,7 @@ from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_r
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.cuda_graphs import check_cuda_graphs
 from fathom.pipeline.launch.distributed import launched_world
+from fathom.pipeline.parts.auto_checkpointing import resolve_checkpointing
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
@@ -70,6 +71,7 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     check_cuda_graphs(cfg)
     admin_profile.check(cfg.model)
     check_fits(corpus, cfg)
+    cfg = resolve_checkpointing(cfg, corpus, world_size)  # "auto": an interval, for pairs known to fit
     if cfg.train.valid_interval > 0:
         valid = build_corpus(cfg, "valid", checksums)
         if len(valid) == 0:

@@ -1,13 +1,14 @@
 """What each pipeline stage's process held at its peak, measured the way the planner predicts it:
 bytes allocated by torch on a GPU; on a CPU the process's resident set, less what it held before
-the model was built (the interpreter, torch, DeepSpeed and gloo, the same for every model)."""
+the model was built (the interpreter, torch, DeepSpeed and gloo, the same for every model). Where
+activation checkpointing was chosen at launch ("auto"), the choice and its estimate are recorded beside it."""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +17,11 @@ import torch.distributed as dist
 from fathom.common.run_layout import MEMORY_FILE
 
 GiB = 2**30
+
+
+def size_text(size: float) -> str:
+    """Bytes for a line: GiB from 1 GiB, MiB below (a CPU test's budget is a fraction of a GiB)."""
+    return f"{size / GiB:.2f} GiB" if size >= GiB else f"{size / 2**20:.1f} MiB"
 
 
 def current_bytes() -> int:
@@ -31,28 +37,69 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass(frozen=True)
+class CheckpointChoice:
+    """What pipeline.activation_checkpoint_interval "auto" chose before launch (pipeline/parts/
+    auto_checkpointing.py), and the estimate it chose by."""
+
+    interval: int
+    estimated_peaks: tuple[int, ...]  # bytes per stage at `interval` (pipeline/parts/stage_memory.py)
+    memory: int  # bytes: train.memory_budget, else the GPU's memory
+    reserve: float  # the share of `memory` kept free of the estimate
+    source: str  # where `memory` came from, for the launch's line
+    caveat: str = ""  # what the estimate leaves out on this machine, for the launch's line
+
+    @property
+    def usable(self) -> int:
+        """What every stage's estimated peak fits in."""
+        return int(self.memory * (1 - self.reserve))
+
+    def line(self) -> str:
+        """The launch's line: the choice, the largest stage's estimate, and what it had to fit."""
+        chosen = f"every {self.interval} layers" if self.interval > 1 else "every layer" if self.interval else "none"
+        peak = max(self.estimated_peaks)
+        stage = self.estimated_peaks.index(peak)
+        return (
+            f'activation checkpointing "auto": {chosen}; estimated peak {size_text(peak)} (stage {stage}) of the '
+            f"{size_text(self.usable)} usable ({self.source} {size_text(self.memory)} less a {self.reserve:.0%} "
+            f"reserve){self.caveat}"
+        )
+
+
 @dataclass
 class MeasuredPeak:
     rank: int
     stage: int
     baseline: int  # bytes held before the model was built
     peak: int  # the process's high-water mark, baseline included
+    # Where "auto" chose the checkpoint interval (None otherwise, and in records written before it): the
+    # interval, the estimate of this rank's stage (to compare with model_bytes) and what it had to fit in.
+    checkpoint_interval: int | None = None
+    estimated_peak: int | None = None
+    usable_memory: int | None = None
 
     @property
     def model_bytes(self) -> int:
         return self.peak - self.baseline
 
 
-def report_peaks(baseline: int, stage: int, save_dir: Path) -> list[MeasuredPeak]:
-    """Gathers every rank's peak; global rank 0 prints one line per rank and writes memory.json."""
+def report_peaks(
+    baseline: int, stage: int, save_dir: Path, choice: CheckpointChoice | None = None
+) -> list[MeasuredPeak]:
+    """Gathers every rank's peak; global rank 0 prints one line per rank and writes memory.json, each rank's
+    entry with "auto"'s `choice` and its stage's estimate, if there was one."""
     mine = MeasuredPeak(dist.get_rank(), stage, baseline, peak_bytes())
+    if choice is not None:
+        mine = replace(mine, checkpoint_interval=choice.interval, estimated_peak=choice.estimated_peaks[stage],
+                       usable_memory=choice.usable)  # fmt: skip
     peaks: list[MeasuredPeak | None] = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, mine)
     if dist.get_rank() == 0:
         for p in peaks:
+            estimated = "" if p.estimated_peak is None else f" (estimated {p.estimated_peak / GiB:.2f} GiB)"
             print(
                 f"fathom: rank {p.rank} (stage {p.stage}) peak memory {p.peak / GiB:.2f} GiB, "
-                f"{p.model_bytes / GiB:.2f} GiB above the {p.baseline / GiB:.2f} GiB before the model",
+                f"{p.model_bytes / GiB:.2f} GiB above the {p.baseline / GiB:.2f} GiB before the model{estimated}",
                 flush=True,
             )
         (save_dir / MEMORY_FILE).write_text(json.dumps([asdict(p) for p in peaks], indent=2) + "\n")

@@ -1,7 +1,8 @@
 """What autograd keeps for backward, per pipeline layer, measured rather than derived: each distinct
 part of the model runs forward in its pipeline form on one sentence under saved-tensor hooks, which
 see exactly what backward will need, whatever the norm scheme, attention kernel and precision. The
-memory planner (planner/estimate.py) scales these traces to micro-batches and stages."""
+memory model (pipeline/parts/stage_memory.py) scales these traces to micro-batches and stages, for the
+memory planner (planner/) and for activation checkpointing chosen at launch (auto_checkpointing)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -52,13 +54,16 @@ from fathom.pipeline.engine.internals import checkpoint_engine, linear_duplicate
 from fathom.pipeline.engine.patches import patch_engine, patch_training
 from fathom.pipeline.launch.checks import check_run, parse_train_args
 from fathom.pipeline.launch.distributed import check_mpi_discovery, init_distributed, launched_world
+from fathom.pipeline.launch.slurm import adopt_slurm_world
 from fathom.pipeline.parts.specs import layer_specs
 from fathom.pipeline.parts.stage_cuts import CostBalancedPipeline
 from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS
 from fathom.pipeline.reports.memory import current_bytes, report_peaks
 from fathom.pipeline.reports.metrics import MetricsLog
 from fathom.pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
-from fathom.pipeline.safety.signals import stop_on_signals
+from fathom.pipeline.safety.launchers import watch_launchers
+from fathom.pipeline.safety.peers import exit_on_lost_peer
+from fathom.pipeline.safety.signals import LAUNCHER_ENDED, RESUMABLE_EXIT, Stopper
 from fathom.pipeline.safety.watchdog import Watchdog
 from fathom.pipeline.validation import Best, Validation, validation_line
 
@@ -221,21 +226,37 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     return StartPoint(offset, consumed)
 
 
-def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> None:
-    init_distributed(cfg.train.hang_timeout, cfg.train.cpu_heap)
+@dataclass(frozen=True)
+class Stop:
+    """A run stopped before its end, everything saved: why (a Stopper reason code), after which step, and
+    the checkpoint --resume continues from."""
+
+    reason: int
+    step: int
+    tag: str
+
+
+def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper | None = None) -> Stop | None:
+    """Trains to the run's end (None), or until the ranks agree to stop (the Stop); `stopper`: the signal
+    handlers main installed (None: no signal stops this run, but train.exit_after_minutes does)."""
+    init_distributed(cfg.train.hang_timeout, cfg.train.cpu_heap, cfg.train.startup_timeout)
     baseline_memory = current_bytes()
     rank = dist.get_rank()
+    stopper = stopper or Stopper(rank)
     save_dir = RunDirectory(Path(cfg.train.save_dir), rank)
     try:
         save_dir.open()
         engine = build_engine(cfg)
         watchdog = Watchdog(save_dir.path, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
-        stop_on_signals(rank, save_dir, watchdog, lambda: engine.global_steps)
+        start_point = start(engine, cfg, corpus, resume)
+        stopper.training(save_dir, watchdog, lambda: engine.global_steps, cfg.train.exit_after_minutes)
+        watch_launchers(lambda ended: stopper.request(LAUNCHER_ENDED))
         try:
-            run(engine, cfg, corpus, start(engine, cfg, corpus, resume), watchdog)
+            stopped = run(engine, cfg, corpus, start_point, watchdog, stopper)
         finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
             watchdog.stop()
-        report_peaks(baseline_memory, engine.stage_id, save_dir.path)
+        report_peaks(baseline_memory, engine.stage_id, save_dir.path, cfg.auto_checkpointing)
+        return stopped
     except NonFiniteError:  # a training outcome: its logs are the evidence
         raise
     except Exception:
@@ -251,9 +272,10 @@ def run(
     corpus: ParallelCorpus,
     start_point: StartPoint,
     watchdog: Watchdog,
-) -> None:
+    stopper: Stopper,
+) -> Stop | None:
     """The training loop, from the engine's step to train.max_steps (or train.max_epochs' end): steps, logs,
-    validation, checkpoints."""
+    validation, checkpoints; or to a stop the ranks agreed on after a step, saved first."""
     rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
     scheme = build_scheme(cfg.model)
     hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
@@ -321,21 +343,32 @@ def run(
             if improved:
                 watchdog.progress(f"checkpoint save after step {done}")
                 saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
-        if done % cfg.train.save_interval == 0 or done == last:
+        saved = done % cfg.train.save_interval == 0 or done == last
+        if saved:
             watchdog.progress(f"checkpoint save after step {done}")
             saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+        if done < last and (reason := stopper.agreed(engine.device)):
+            if not saved:
+                watchdog.progress(f"checkpoint save after step {done}, to stop")
+                saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+            stopper.saved()
+            return Stop(reason, done, latest_tag(save_dir))
     if breakdown and rank == 0:
         print("\n".join(breakdown.summary()), flush=True)
     if cfg.deepspeed.get("comms_logger", {}).get("enabled"):
         # DeepSpeed times its communication ops and leaves printing them to the training loop (every rank
         # meets in it; rank 0 prints).
         deepspeed.comm.log_summary()
+    return None
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """One rank of a training job; returns its exit status: 0, or RESUMABLE_EXIT when stopped and saved."""
     args = parse_train_args(argv, __doc__)
+    with exit_on_config_error():
+        adopt_slurm_world()  # srun's tasks: the world from Slurm's variables
     world = launched_world()
-    stop_on_signals(world.rank)
+    stopper = Stopper(world.rank).install(signal.SIGUSR1)
     with exit_on_config_error(report=world.rank == 0):
         check_mpi_discovery()
         # A data directory is read whole for its checksums once per machine and launch: by the machine's
@@ -343,7 +376,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg, corpus = check_run(args, world.size, checksums=world.local_rank == 0)
     if world.rank == 0 and (warning := precision_warning(cfg.deepspeed)):
         print(f"fathom: warning: {warning}", file=sys.stderr, flush=True)
+    if world.rank == 0 and cfg.auto_checkpointing is not None:
+        print(f"fathom: {cfg.auto_checkpointing.line()}", flush=True)
     # A checkpoint that fails to load or save: the first rank reports it; another rank that alone hits
     # an error reports it after REPORTER_GRACE_S.
-    with exit_on_config_error(report=world.rank == 0), exit_on_nonfinite(report=world.rank == 0):
-        train(cfg, corpus, args.resume)
+    stopper.install(signal.Signals[cfg.train.exit_signal])
+    lost_peer = exit_on_lost_peer(Path(cfg.train.save_dir), world.rank, world.size, socket.gethostname())
+    with exit_on_config_error(report=world.rank == 0), exit_on_nonfinite(report=world.rank == 0), lost_peer:
+        stopped = train(cfg, corpus, args.resume, stopper)
+    if stopped is None:
+        return 0
+    if world.rank == 0:
+        print(stopper.stopped_line(stopped.reason, stopped.step, stopped.tag), file=sys.stderr, flush=True)
+    return RESUMABLE_EXIT

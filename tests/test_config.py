@@ -430,9 +430,9 @@ def test_a_failed_run_removes_only_what_holds_nothing_but_its_own_files(tmp_path
     stopped.open()
     beside = RunDirectory(tmp_path / "p1" / "expB", rank=0)
     beside.open()
+    (beside.path / METRICS_FILE).write_text('{"step": 1}\n')
     for run in (stopped, beside):
         (run.path / CONFIG_FILE).write_text("{}")
-        (run.path / METRICS_FILE).write_text('{"step": 1}\n')
         (run.path / "global_step1").mkdir()  # a save that did not finish
         (run.path / "zero_to_fp32.py").write_text("")  # DeepSpeed copies it in as it saves
     (beside.path / "global_step1" / MANIFEST).write_text("{}")  # B's finished
@@ -447,6 +447,17 @@ def test_a_failed_run_removes_only_what_holds_nothing_but_its_own_files(tmp_path
     (visited.path / CONFIG_FILE).write_text("{}")
     (visited.path / "notes.txt").write_text("mine")
     assert visited.abandon() is None and [p.name for p in visited.path.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_that_logged_a_step_keeps_its_directory(tmp_path):
+    """A run stopped before its first checkpoint removed its save_dir, metrics.jsonl with 50 logged steps
+    included: the record of work done goes only with a run that trained nothing."""
+    run = RunDirectory(tmp_path / "run", rank=0)
+    run.open()
+    (run.path / CONFIG_FILE).write_text("{}")
+    (run.path / METRICS_FILE).write_text('{"step": 1}\n')
+    kept = snapshot(tmp_path / "run")
+    assert run.abandon() is None and snapshot(tmp_path / "run") == kept
 
 
 @pytest.mark.parametrize("override", list(TYPOS))

@@ -184,6 +184,7 @@ COMMAND_LAYER = {
     "fathom.translation.translate.command_line_translator": "their model flags into Translator.from_checkpoint",
     "fathom.pipeline.launch.checks.check_run": "train's flags (--config, --override), checked by train and by launch",
     "fathom.pipeline.launch.command.launched_processes": "the deepspeed runner's own flags, for launch",
+    "fathom.pipeline.launch.command.launched_hosts": "the deepspeed runner's own flags, for launch",
     "fathom.pipeline.checkpoint.consolidated.check_supported": "zero_to_fp32's flags fathom refuses",
     # not a command line: fairseq's run arguments, stored in the checkpoint as fairseq-train stores them
     "fathom.convert.to_fairseq.fairseq_checkpoint": "fairseq's args, data written for fairseq",

@@ -33,7 +33,7 @@ def config(tmp_path):
 def execs(monkeypatch):
     """Records the arguments DeepSpeed's runner would be started with, instead of starting it."""
     calls = []
-    monkeypatch.setattr(runner, "main", calls.append)
+    monkeypatch.setattr(launch_command, "run_runner", lambda argv: calls.append(argv) or 0)
     return calls
 
 
@@ -69,6 +69,8 @@ BAD_HOSTFILES = [
     (TWO_HOSTS, ["--launcher", "pbs"], "--launcher pbs: unknown; use one of pdsh, openmpi"),
     ("worker-0 slots=2\nworker-1 slots=1\n", [], "pipeline.stages: 3 processes cannot be split into 2 stages"),
     (TWO_HOSTS, ["--master_port", "99999"], "--master_port 99999: not a TCP port"),  # a traceback per rank
+    # DeepSpeed's runner ignored it without a hostfile; with one, its ranks knew no world
+    (TWO_HOSTS, ["--launcher", "slurm"], "--launcher slurm: start one task per rank with srun instead"),
 ]
 
 
@@ -104,8 +106,9 @@ def test_a_good_hostfile_runs_deepspeed_with_the_same_arguments(tmp_path, capsys
     path = hostfile(tmp_path, "# two nodes\nworker-0 slots=1 max_slots=4\n\nworker-1 slots=1\n")
     argv = ["--hostfile", path, "--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", "29555"]
     argv += ["scripts/train.py", "--config", str(config), "--override", "train.max_steps=4"]
-    launch_command.main(argv)
-    assert execs == [argv]
+    with pytest.raises(SystemExit) as exc:
+        launch_command.main(argv)
+    assert exc.value.code == 0 and execs == [argv]
     assert "launching 2 processes" in capsys.readouterr().out
 
 

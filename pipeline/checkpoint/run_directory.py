@@ -3,10 +3,11 @@
 Two runs writing one directory would interleave their checkpoints, metrics and `latest` without an
 error, so global rank 0 holds an exclusive flock on SAVE_DIR/.fathom.lock for the whole run; the kernel
 releases it however the process ends, so a killed run leaves no stale lock. A run that ends with an
-error or a signal before its first checkpoint leaves nothing worth resuming: its records go, and so does
-each directory it made that is then empty. One holding anything else stays, with its parents: another
-run may have made its own directory beside this one's, under a parent this run made, since. A run
-stopped by a non-finite loss keeps its directory (its logs show the divergence).
+error or a signal before its first step leaves nothing worth keeping: its records go, and so does each
+directory it made that is then empty (a run that logged a step keeps its metrics). One holding anything
+else stays, with its parents: another run may have made its own directory beside this one's, under a
+parent this run made, since. A run stopped by a non-finite loss keeps its directory (its logs show the
+divergence).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from fathom.common.errors import ConfigError
-from fathom.common.run_layout import LOCK_FILE, has_checkpoints, reserved_name
+from fathom.common.run_layout import LOCK_FILE, METRICS_FILE, has_checkpoints, reserved_name
 
 
 def _try_lock(path: Path) -> IO[str] | None:
@@ -51,6 +52,12 @@ def check_not_in_use(save_dir: Path) -> None:
     if handle is None:
         raise _in_use(save_dir)
     handle.close()
+
+
+def logged_steps(save_dir: Path) -> bool:
+    """Whether a run in save_dir has trained and logged a step: the record of work no stop may delete."""
+    metrics = save_dir / METRICS_FILE
+    return metrics.is_file() and metrics.stat().st_size > 0
 
 
 class RunDirectory:
@@ -88,7 +95,7 @@ class RunDirectory:
         """After an error or a stop, in a directory this run made and saved no checkpoint into (a `best`
         is one, whatever `latest` says): removes the run's records, then each directory it made, deepest
         first, while it is empty. Returns the topmost directory removed, None if none was."""
-        if not self.made or not self.path.is_dir() or has_checkpoints(self.path):
+        if not self.made or not self.path.is_dir() or has_checkpoints(self.path) or logged_steps(self.path):
             return None
         for entry in self.path.iterdir():
             if reserved_name(entry.name):  # written by this run: the lock keeps any other run out

@@ -22,7 +22,15 @@ from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section, parse_model
 from fathom.model.search import SearchConfig
-from fathom.pipeline.config.deepspeed_values import DEFAULT_PARTITION, OUR_SECTIONS, check_deepspeed, check_schedule
+from fathom.pipeline.config.deepspeed_values import (
+    AUTO_INTERVAL,
+    CHECKPOINT_INTERVAL,
+    DEFAULT_PARTITION,
+    OUR_SECTIONS,
+    check_deepspeed,
+    check_schedule,
+)
+from fathom.pipeline.reports.memory import CheckpointChoice
 
 
 def check_no_tilde(path: str | None, key: str) -> None:
@@ -115,6 +123,16 @@ class TrainConfig:
     # Heartbeats come every hang_timeout / 10 s: shorter timeouts would mistake a busy machine's scheduling
     # delays or filesystem lag for a stopped rank.
     hang_timeout: float = field(default=1800.0, metadata=APPLIED | bounds(10, what=" seconds"))
+    # Seconds every rank has from its launch to joining the job (imports, the data's checksums, DeepSpeed's
+    # CPU op build) before the job ends naming the ranks that never joined: a node that could not start its
+    # rank must not hold the others for hang_timeout.
+    startup_timeout: float = field(default=600.0, metadata=APPLIED | bounds(10, what=" seconds"))
+    # Besides SIGINT, SIGTERM and SIGHUP, the signal that asks for a save and a stop: the warning a
+    # scheduler sends ahead of a time limit (Slurm: sbatch --signal=USR1@120; pipeline/safety/signals.py).
+    exit_signal: Literal["SIGUSR1", "SIGUSR2"] = field(default="SIGUSR1", metadata=APPLIED)
+    # Save and stop (exit status 75, resumable) after this many minutes of this launch, before a scheduler's
+    # time limit kills it (Megatron-LM's --exit-duration-in-mins; null: no limit).
+    exit_after_minutes: float | None = field(default=None, metadata=APPLIED | bounds(0.1, what=" minutes"))
     # A step whose loss or gradients are non-finite is never applied; "stop" then ends the run (exit
     # status 3; the last checkpoint stays the latest), "skip" goes on with the next step
     # (pipeline/safety/divergence.py).
@@ -141,6 +159,10 @@ class TrainConfig:
     # step (faster), or "return" them to the system (a lower peak, the one the memory planner predicts);
     # measured in docs/BENCHMARKS.md, "The CPU heap".
     cpu_heap: Literal["keep", "return"] = field(default="keep", metadata=APPLIED)
+    # The memory pipeline.activation_checkpoint_interval "auto" fits each rank in, e.g. "24GB" or "20GiB"
+    # (a bare number is GB), counted above what a process holds before it builds the model; null: the
+    # GPU's memory. A CPU has none of its own to go by, so there "auto" needs it (pipeline/parts/auto_checkpointing.py).
+    memory_budget: str | None = field(default=None, metadata=APPLIED)
 
     def __post_init__(self) -> None:
         if not self.save_dir.strip():
@@ -164,6 +186,9 @@ class RunConfig:
     data: DataConfig
     train: TrainConfig
     deepspeed: dict[str, Any]  # the top-level DeepSpeed keys, handed to deepspeed.initialize as is
+    # What "auto" checkpointing chose before launch, whose interval `deepspeed` then holds for the engine
+    # (pipeline/parts/auto_checkpointing.py); the run's records keep "auto", which each launch chooses anew.
+    auto_checkpointing: CheckpointChoice | None = None
 
     @property
     def stages(self) -> int:
@@ -182,8 +207,11 @@ class RunConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        deepspeed = self.deepspeed
+        if self.auto_checkpointing is not None:
+            deepspeed = {**deepspeed, "pipeline": {**deepspeed["pipeline"], CHECKPOINT_INTERVAL: AUTO_INTERVAL}}
         return {
-            **self.deepspeed,
+            **deepspeed,
             "model": model_section(self.model),
             "data": asdict(self.data),
             "train": asdict(self.train),

@@ -7,8 +7,8 @@ duplicate host with a ValueError traceback, and launches on this machine alone w
 path does not exist. This front end reads the hostfile and --include/--exclude the way the runner
 will, computes the number of processes it will start, checks the run against that world size
 (everything scripts/train.py checks before training), then runs DeepSpeed's runner (what the
-`deepspeed` command runs) with the same arguments. Each mistake is one line on stderr and exit status
-2; a Ctrl-C ends it without the runner's KeyboardInterrupt traceback.
+`deepspeed` command runs) with the same arguments, as a child it passes stop signals through to the
+ranks (pipeline/launch/supervise.py). Each mistake is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from deepspeed.launcher import runner
 from fathom.common.cli import versions
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.pipeline.launch.checks import check_run, parse_train_args
+from fathom.pipeline.launch.hosts import check_hosts
+from fathom.pipeline.launch.supervise import run_runner
 
 # The runner's own pattern is r'^(\S+)\s+slots=(\d+)', which reads "slots=4x" as 4; trailing fields
 # (Open MPI's max_slots=N, a comment) stay allowed.
@@ -97,6 +99,16 @@ def check_environment_files() -> None:
 
 def launched_processes(args: argparse.Namespace) -> int:
     """The world size the runner will start for these arguments, computed with its own functions."""
+    return sum(len(slots) for slots in launched_hosts(args).values())
+
+
+def launched_hosts(args: argparse.Namespace) -> OrderedDict[str, list[int]]:
+    """The hosts and slots the runner will start processes on for these arguments, by its own functions."""
+    if args.launcher.lower() == "slurm":  # DeepSpeed's wants a hostfile, ssh and --master_addr for it
+        raise ConfigError(
+            "--launcher slurm: start one task per rank with srun instead, inside an allocation: "
+            "srun --ntasks N python scripts/train.py --config ... (or fathom-train); docs/CLUSTERS.md"
+        )
     if args.include and args.exclude:
         raise ConfigError("--include and --exclude: use one of them")
     if not 0 < args.master_port < 65536:
@@ -145,15 +157,18 @@ def launched_processes(args: argparse.Namespace) -> int:
         )
     if multi_node:
         check_environment_files()
-    return sum(len(slots) for slots in active.values())
+    return active
 
 
 def check_launch(argv: list[str]) -> int:
     """Checks the launcher's arguments and the run they start; returns the world size."""
     args = runner.parse_args(argv)
-    world_size = launched_processes(args)
+    hosts = launched_hosts(args)
+    world_size = sum(len(slots) for slots in hosts.values())
     # Sizes only: each machine's first rank verifies the data's checksums before any rank can train.
     check_run(parse_train_args(args.user_args), world_size, checksums=False)
+    if (args.force_multi or len(hosts) > 1) and not args.no_ssh and args.launcher.lower() == "pdsh":
+        check_hosts(list(hosts), args.user_script, args.module, args.ssh_port)
     return world_size
 
 
@@ -165,10 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error():
         world_size = check_launch(argv)
     print(f"fathom: checked; launching {world_size} processes", flush=True)
-    try:
-        runner.main(argv)  # what the `deepspeed` command runs
-    except KeyboardInterrupt:  # Ctrl-C: the ranks say where they stopped; the runner would add a traceback
-        sys.exit(130)
+    sys.exit(run_runner(argv))  # what the `deepspeed` command runs, as a child that stops the ranks with a save
 
 
 if __name__ == "__main__":  # python -m fathom.pipeline.launch.command: fathom-launch by this interpreter

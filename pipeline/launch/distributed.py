@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig
+from fathom.pipeline.launch.rendezvous import env_launched, join
 from fathom.pipeline.safety.watchdog import backend_timeout
 
 # deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
@@ -117,18 +118,18 @@ def whole_lines(*streams: object) -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def run_launched(main: Callable[[], object]) -> NoReturn:
+def run_launched(main: Callable[[], int | None]) -> NoReturn:
     """Runs a launched process's main; if it returns, every rank got there, so they meet and end the
-    process group (end_distributed). Then ends the process with main's exit status, skipping the
+    process group (end_distributed). Then ends the process with main's exit status (what it returns, or
+    what it passes to sys.exit), skipping the
     interpreter's teardown. DeepSpeed keeps its process groups referenced (pipeline grid, p2p, ZeRO), so
     destroy_process_group cannot free them, and gloo objects freed while the interpreter finalizes can
     abort a run that has finished: "terminate called without an active exception", exit 250, twice in
     CI after a run's last line (the mechanism: pytorch/pytorch#179291). Tracebacks print as usual."""
     whole_lines(sys.stdout, sys.stderr)
     try:
-        main()
+        status = main() or 0
         end_distributed()
-        status = 0
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             status = exit_.code or 0
@@ -146,15 +147,19 @@ def run_launched(main: Callable[[], object]) -> NoReturn:
     os._exit(status)
 
 
-def init_distributed(hang_timeout: float = TrainConfig.hang_timeout, cpu_heap: str = TrainConfig.cpu_heap) -> None:
-    """nccl on GPUs, gloo on CPUs; CPU ranks on one machine split its cores instead of oversubscribing,
-    with glibc's heap as train.cpu_heap says."""
-    try:
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-            distributed_port=master_port(),
-            timeout=backend_timeout(hang_timeout),
-        )
+def init_distributed(
+    hang_timeout: float = TrainConfig.hang_timeout,
+    cpu_heap: str = TrainConfig.cpu_heap,
+    startup_timeout: float = TrainConfig.startup_timeout,
+) -> None:
+    """nccl on GPUs, gloo on CPUs, once every rank has joined within `startup_timeout` (rendezvous.py);
+    CPU ranks on one machine split its cores instead of oversubscribing, with glibc's heap as
+    train.cpu_heap says."""
+    backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", backend_timeout(hang_timeout)
+    if env_launched():
+        join(backend, startup_timeout, timeout)
+    try:  # adopts the group join() built; under mpirun, discovers the world and builds it
+        deepspeed.init_distributed(dist_backend=backend, distributed_port=master_port(), timeout=timeout)
     except dist.DistNetworkError as err:  # raised on rank 0, which listens on the port
         if "EADDRINUSE" not in str(err):
             raise

@@ -3,10 +3,13 @@ tests/test_crash.py. FATHOM_CRASH says where, for one global rank:
 
     RANK:file:K    in this launch's first save, after K-1 whole files: half of file K, then SIGKILL
     RANK:commit    in this launch's first commit, after the files and the manifest, before `latest` moves
+
+FATHOM_SLOW_SAVE=SECONDS makes every checkpoint save first write SAVE_DIR/saving-TAG, then wait that long.
 """
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +51,19 @@ def crash_before_latest() -> None:
     saving.write_atomic = write_atomic
 
 
+def slow_saves(seconds: float) -> None:
+    original = saving.save
+
+    def save(engine, save_dir, client_state, best, schedule_step):
+        (Path(save_dir) / f"saving-global_step{engine.global_steps}").touch()
+        time.sleep(seconds)
+        return original(engine, save_dir, client_state, best, schedule_step)
+
+    saving.save = save
+
+
+if "FATHOM_SLOW_SAVE" in os.environ:
+    slow_saves(float(os.environ["FATHOM_SLOW_SAVE"]))
 if "FATHOM_CRASH" in os.environ:
     rank, point, *count = os.environ["FATHOM_CRASH"].split(":")
     if int(os.environ["RANK"]) == int(rank):

@@ -23,6 +23,7 @@ from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.config.engine_defaults import deepspeeds_own
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from fathom.pipeline.engine.internals import clear_pipe_buffers
+from fathom.pipeline.launch.deepspeed_op import prepare_cpu_op
 from fathom.pipeline.launch.distributed import release_shm_buffer
 from fathom.pipeline.train import build_engine
 
@@ -43,6 +44,7 @@ def init_single_process(device: str = "cpu") -> None:
         torch.cuda.set_device(local_rank)
         deepspeed.init_distributed(dist_backend="nccl")
         return
+    prepare_cpu_op()  # in this environment's build directory, never waiting on a dead build's lock
     deepspeed.init_distributed(dist_backend="gloo")
     release_shm_buffer()  # DeepSpeed's CPU all-reduce segment in /dev/shm, which it never removes
 

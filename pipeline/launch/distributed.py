@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig
+from fathom.pipeline.launch.deepspeed_op import DEFAULT_TIMEOUT, prepare_cpu_op
 from fathom.pipeline.launch.rendezvous import env_launched, join
 from fathom.pipeline.safety.watchdog import backend_timeout
 
@@ -156,6 +157,8 @@ def init_distributed(
     CPU ranks on one machine split its cores instead of oversubscribing, with glibc's heap as
     train.cpu_heap says."""
     backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", backend_timeout(hang_timeout)
+    if backend == "gloo":  # DeepSpeed compiles its CPU all-reduce inside init_distributed: in this environment's
+        prepare_cpu_op(min(DEFAULT_TIMEOUT, startup_timeout / 2))  # directory, never on a dead build's lock
     if env_launched():
         join(backend, startup_timeout, timeout)
     try:  # adopts the group join() built; under mpirun, discovers the world and builds it

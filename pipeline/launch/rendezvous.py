@@ -37,7 +37,7 @@ def names(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
-def wait_for_all(store: dist.TCPStore, size: int, startup_timeout: float) -> None:
+def wait_for_all(store: dist.Store, size: int, startup_timeout: float) -> None:
     """Global rank 0: until every rank has written its key, or a ConfigError naming those that did not."""
     deadline = time.monotonic() + startup_timeout
     missing = list(range(size))
@@ -74,10 +74,15 @@ def join(backend: str, startup_timeout: float, timeout: timedelta) -> None:
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     waiting = timedelta(seconds=startup_timeout)
-    if rank != 0 and not wait_for_server(address, port, startup_timeout):
+    # torchrun's agent serves the store itself, each restart of the workers under a prefix of its own
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    serves = rank == 0 and not agent
+    if not serves and not wait_for_server(address, port, startup_timeout):
         raise ConfigError(_not_met(rank, address, port, startup_timeout))
     try:
-        store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=waiting, wait_for_workers=False)
+        store = dist.TCPStore(address, port, size, is_master=serves, timeout=waiting, wait_for_workers=False)
+        if agent:
+            store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         store.set(JOINED.format(rank=rank), socket.gethostname())
         if rank == 0:
             wait_for_all(store, size, startup_timeout)

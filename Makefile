@@ -14,17 +14,27 @@ M30K ?= data/multi30k
 M30K_DATA = data-bin/multi30k_deen
 M30K_RUN = checkpoints/multi30k_deen
 
-.PHONY: install mpi peers demo test lint format multi30k fairseq-env-background deepspeed-ops-background
+.PHONY: install mpi daemons peers demo test lint format multi30k fairseq-env-background
 
+# The last line compiles DeepSpeed's shared-memory all-reduce for CPU ranks once for this environment (about
+# 1 min; nothing on a GPU machine) into the directory its ranks use (pipeline/launch/deepspeed_op.py).
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PYTHON) -m fathom.pipeline.launch.deepspeed_op
 
 # mpirun for `mpirun -np N` and `deepspeed --launcher openmpi` (Debian/Ubuntu packages), installed only when
 # missing; libopenmpi-dev lets pip build mpi4py where it has no wheel.
 mpi:
 	command -v mpirun >/dev/null || ($(SUDO) apt-get update && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev)
+
+# sshd, pdsh, Slurm and munge for the tests that start real daemons in a temporary directory (tests/daemons.py;
+# Debian/Ubuntu packages), installed only when missing; without them those tests skip, and fail in CI.
+daemons:
+	export PATH="$$PATH:/usr/sbin:/sbin"; for program in sshd ssh pdsh munged slurmctld slurmd srun sbatch; do \
+		command -v $$program >/dev/null || missing=1; done; [ -z "$$missing" ] || ($(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y openssh-server openssh-client pdsh slurm-wlm munge)
 
 # torchscale, the reference the tests compare DeepNorm and Sub-LN with (and scripts/bench.py times). Without
 # its dependencies: its pinned timm would pull torchvision and a CUDA torch, for a drop_path we stand in for
@@ -48,18 +58,12 @@ format:
 # fairseq's environment (tests/test_fairseq.py, test_bench_prepare.py) builds in the background from the
 # start, so no worker waits minutes for it; a finished one is reused, and a failed build is retried and
 # reported by the first test that needs it.
-# DeepSpeed's shared-memory all-reduce for CPU ranks is compiled on first use (about 1 min): it starts
-# compiling beside the lint, where every rank of the suite's first jobs waited for it.
 test: EXTRAS = dev,mpi
-test: fairseq-env-background mpi install peers deepspeed-ops-background lint
+test: fairseq-env-background mpi daemons install peers lint
 	$(PYTHON) -m pytest -n 2 --durations=25
 
 fairseq-env-background:
 	bash scripts/setup_fairseq_env.sh >/dev/null 2>&1 &
-
-deepspeed-ops-background: install
-	$(PYTHON) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" \
-		>/dev/null 2>&1 &
 
 # The Multi30k De->En recipe (docs/MULTI30K.md): prepare, train, translate the test set with the best and the
 # averaged last 5 checkpoints, score, plot.

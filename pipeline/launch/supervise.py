@@ -83,7 +83,7 @@ def stop_ranks(runner: psutil.Process, signum: int) -> None:
     for child in runner.children():
         try:
             name = child.name()
-            if name == "pdsh":
+            if name in ("pdsh", "pdsh.bin"):  # Debian's pdsh is a script that execs pdsh.bin
                 if command := remote_stop(child, signum):
                     subprocess.run(command, env=child.environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             elif name in ("srun", "mpirun", "mpiexec", "mpiexec.hydra", "mpirun_rsh"):

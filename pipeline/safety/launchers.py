@@ -6,17 +6,22 @@ runs in an ssh session; when that connection goes (pdsh or its ssh ended), nothi
 processes. So each rank watches the chain of processes that launched it, from its parent up: DeepSpeed's
 launch.py and runner, torchrun, fathom-launch (which names itself in FATHOM_LAUNCHER_PID), and a remote
 command's ssh session; the first process that is none of these (a shell, slurmstepd, mpirun, init) ends the
-chain, so a job started with nohup outlives the terminal it was started from. When one of them ends, the
-rank asks its Stopper for a stop (LAUNCHER_ENDED); a session's end also takes the rank's output with it,
-so from then on the rank writes it to /dev/null rather than fail on a closed pipe.
+chain, so a job started with nohup outlives the terminal it was started from. A killed pdsh ends none of
+them (its ssh clients live on) but stops reading what the ranks print: so a rank whose stdout or stderr is
+a pipe nobody reads any more counts its launcher as gone too, and writes to /dev/null from then on rather
+than fail on the closed pipe. Either way the rank asks its Stopper for a stop (LAUNCHER_ENDED).
 """
 
 from __future__ import annotations
 
 import os
+import select
+import stat
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import psutil
 
@@ -94,23 +99,75 @@ def describe(process: psutil.Process) -> str:
     return f"{python_program(args) or (args[0] if args else 'a launcher')} (pid {process.pid})"
 
 
+def piped_outputs() -> list[int]:
+    """This rank's stdout and stderr where they are pipes or sockets: a reader that can go away."""
+    return [fd for fd in (1, 2) if stat.S_ISFIFO(os.fstat(fd).st_mode) or stat.S_ISSOCK(os.fstat(fd).st_mode)]
+
+
+def output_closed(fds: list[int]) -> bool:
+    """Whether nobody reads these any more: poll reports an error or hangup on a pipe or socket whose reading
+    end closed (pdsh killed: its ssh clients stop passing output on, and sshd closes the pipes)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLOUT)
+    return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+
+
+class GuardedStream:
+    """sys.stdout or sys.stderr, whose write to a pipe nobody reads any more (pdsh killed: sshd closes the
+    pipes a moment later) calls `on_closed` and points the stream at /dev/null instead of raising
+    BrokenPipeError in whatever code printed."""
+
+    def __init__(self, stream: TextIO, on_closed: Callable[[], None]):
+        self._stream, self._on_closed = stream, on_closed
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._on_closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._on_closed()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
 def watch_launchers(on_end: Callable[[str], None]) -> threading.Thread | None:
     """Starts a daemon thread that calls on_end(what ended) once, when a process of this rank's launcher
-    chain ends; None when nothing launched it that fathom watches."""
-    chain = launcher_chain()
-    if not chain:
+    chain ends or nobody reads its output any more (from then on it goes to /dev/null, as a write to a
+    closed pipe would raise in whatever code prints next); None when there is nothing to watch."""
+    chain, outputs = launcher_chain(), piped_outputs()
+    if not chain and not outputs:
         return None
+    ended_once = threading.Lock()
+
+    def closed() -> None:
+        silence_output()
+        if ended_once.acquire(blocking=False):
+            on_end("the reader of its output")
+
+    if outputs:
+        sys.stdout, sys.stderr = GuardedStream(sys.stdout, closed), GuardedStream(sys.stderr, closed)
     # read while they run: a process that has ended has no command line left to read
     watched = [(process, describe(process), is_ssh_session(process)) for process in chain]
 
     def watch() -> None:
         stop = threading.Event()
         while not stop.wait(POLL_S):
+            if outputs and output_closed(outputs):
+                return closed()
             for process, name, session in watched:
                 if ended(process):
-                    if session:
+                    if session:  # the connection that carried the output is gone with it
                         silence_output()
-                    on_end(name)
+                    if ended_once.acquire(blocking=False):
+                        on_end(name)
                     return
 
     thread = threading.Thread(target=watch, name="fathom-launcher-watch", daemon=True)
@@ -119,8 +176,7 @@ def watch_launchers(on_end: Callable[[str], None]) -> threading.Thread | None:
 
 
 def silence_output() -> None:
-    """Points stdout and stderr at /dev/null: the ssh connection that carried them is gone, and a write to
-    its closed pipe would raise in whatever code prints next."""
+    """Points stdout and stderr at /dev/null."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
         os.dup2(devnull, fd)

@@ -297,3 +297,31 @@ def test_a_rendezvous_port_is_free_and_below_the_ephemeral_range():
     finally:
         for listener in listeners:
             listener.close()
+
+
+@pytest.mark.slow
+def test_a_host_probe_names_what_is_missing(tmp_path, monkeypatch):
+    """A host without the launch directory, the interpreter, fathom or the script started nothing (exit 127)
+    while the others waited; the front door's probe, here run by a local shell instead of ssh, names each."""
+    from fathom.pipeline.launch import hosts
+
+    monkeypatch.setattr(hosts, "ssh_command", lambda host, remote, port: ["bash", "-c", remote])
+    not_fathom = tmp_path / "python"
+    not_fathom.write_text("#!/bin/sh\nexit 1\n")
+    not_fathom.chmod(0o755)
+    cases = [
+        (tmp_path / "gone", sys.executable, "scripts/train.py", f"no directory {tmp_path / 'gone'}"),
+        (ROOT, "/nowhere/bin/python", "scripts/train.py", "no Python at /nowhere/bin/python"),
+        (ROOT, str(not_fathom), "scripts/train.py", f"fathom does not import with {not_fathom}"),
+        (ROOT, sys.executable, "scripts/no_such.py", f"no scripts/no_such.py in {ROOT}"),
+    ]
+    for cwd, python, program, problem in cases:
+        monkeypatch.chdir(cwd if cwd.exists() else tmp_path)
+        monkeypatch.setattr(hosts.os.path, "abspath", lambda path, cwd=cwd: str(cwd))
+        monkeypatch.setattr(hosts.sys, "executable", python)
+        with pytest.raises(ConfigError) as refused:
+            hosts.check_hosts(["worker-1"], program, False, None)
+        assert str(refused.value).startswith(f"host worker-1: {problem}"), refused.value
+    monkeypatch.setattr(hosts.sys, "executable", sys.executable)
+    monkeypatch.setattr(hosts.os.path, "abspath", lambda path: str(ROOT))
+    hosts.check_hosts(["worker-0", "worker-1"], "fathom.train", True, None)  # a module found: no error

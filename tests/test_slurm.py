@@ -34,13 +34,19 @@ def uninterrupted(save_dir: Path, steps: int) -> Path:
 
 def test_srun_tasks_train_as_one_launchers_ranks(slurm, tmp_path):
     """`srun -n 2 python scripts/train.py ...` failed in both tasks with `pipeline.stages: 1 processes cannot be
-    split into 2 stages`: fathom read no SLURM_* variable. Now each task takes its rank, the world and the
-    master from Slurm's, and the run equals one of warm ranks bit for bit."""
-    run = tmp_path / "run"
-    result = slurm.run("srun", "-n", "2", sys.executable, "-u", str(TRAIN), *args(run, 4), cwd=ROOT, env=ENV,
-                       timeout=300)  # fmt: skip
-    assert "Traceback" not in result.stderr
-    assert_same_training(uninterrupted(tmp_path / "expected", 4), run)
+    split into 2 stages`: fathom read no SLURM_* variable; `deepspeed --launcher slurm` (which runs srun) the
+    same. Now each task takes its rank, the world and the master from Slurm's, and each run equals one of
+    warm ranks bit for bit."""
+    expected = uninterrupted(tmp_path / "expected", 4)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{slurm.node} slots=2\n")
+    deepspeed = ["deepspeed", "--launcher", "slurm", "--hostfile", str(hostfile), "--force_multi", "--no_ssh_check",
+                 "--master_addr", "127.0.0.1"]  # fmt: skip
+    for name, launcher in (("srun", ["srun", "-n", "2", sys.executable, "-u"]), ("deepspeed", deepspeed)):
+        run = tmp_path / name
+        result = slurm.run(*launcher, str(TRAIN), *args(run, 4), cwd=ROOT, env=ENV, timeout=300)
+        assert "Traceback" not in result.stderr, name
+        assert_same_training(expected, run)
 
 
 def test_a_job_preempted_twice_by_the_scheduler_ends_as_an_uninterrupted_run(tmp_path):

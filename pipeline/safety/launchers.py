@@ -44,7 +44,9 @@ def python_program(args: list[str]) -> str | None:
             return next(rest, None)
         if arg in ("-c", "-"):
             return None
-        if not arg.startswith("-"):
+        if arg in ("-X", "-W"):  # options that take the next argument
+            next(rest, None)
+        elif not arg.startswith("-"):
             return Path(arg).name
     return None
 

@@ -258,8 +258,10 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper
         report_peaks(baseline_memory, engine.stage_id, save_dir.path, cfg.auto_checkpointing)
         return stopped
     except NonFiniteError:  # a training outcome: its logs are the evidence
+        stopper.ending()
         raise
     except Exception:
+        stopper.ending()
         save_dir.abandon()
         raise
     finally:

@@ -18,7 +18,7 @@ from fathom.pipeline.safety.signals import RESUMABLE_EXIT
 from tests import daemons
 from tests.helpers import ROOT, assert_same_training, free_port, launch, wait_for_release
 from tests.test_crash import OVERRIDES, steps_done
-from tests.test_stopping import wait_for
+from tests.test_stopping import training, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +30,6 @@ sshd = daemons.sshd  # the fixture
 def args(save_dir: Path, steps: int) -> list[str]:
     return ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", *OVERRIDES,
             f"train.max_steps={steps}", f"train.save_dir={save_dir}", "--resume"]  # fmt: skip
-
-
-def training(save_dir: Path) -> bool:
-    """Whether a rank of the run in save_dir still runs (a rank started over ssh is no child of this process)."""
-    return subprocess.run(["pgrep", "-f", f"train.save_dir={save_dir} "], capture_output=True).returncode == 0
 
 
 def front_door(sshd: daemons.Sshd, hostfile: Path, save_dir: Path, steps: int = 100000) -> list[str]:

@@ -11,14 +11,13 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from fathom.common.run_layout import latest_tag
 from fathom.pipeline.safety.signals import ECHO_S, RESUMABLE_EXIT
 from fathom.pipeline.safety.watchdog import read_heartbeat
 from tests.helpers import ROOT, Job, assert_same_training, free_port, launch, wait_for_release
-from tests.test_crash import OVERRIDES, WORKER, assert_latest_whole, rank_pids, steps_done
+from tests.test_crash import OVERRIDES, WORKER, assert_latest_whole, steps_done
 
 pytestmark = pytest.mark.slow
 
@@ -129,24 +128,35 @@ def test_a_wall_clock_limit_saves_and_exits_75(tmp_path):
                                      f"command with --resume continues from global_step{step}"]  # fmt: skip
 
 
-@pytest.mark.parametrize("front", ["deepspeed", "fathom-launch"])
+def training(save_dir: Path) -> bool:
+    """Whether a rank of the run in save_dir still runs, however it was launched."""
+    return subprocess.run(["pgrep", "-f", f"train.save_dir={save_dir} "], capture_output=True).returncode == 0
+
+
+LAUNCHERS = {
+    "deepspeed": ["deepspeed", "--num_gpus", "2"],
+    "fathom-launch": [sys.executable, str(ROOT / "scripts" / "launch.py"), "--num_gpus", "2"],
+    "torchrun": ["torchrun", "--nproc_per_node", "2"],  # it hosts the rendezvous store the ranks join
+}
+
+
+@pytest.mark.parametrize("front", list(LAUNCHERS))
 def test_sigterm_to_the_launcher_alone_stops_every_rank_after_a_save(tmp_path, front):
     """`kill PID` of `deepspeed` (or scripts/launch.py) exited 143 while both ranks kept training (they reached
-    step 1209). Now the ranks see their launcher end (or fathom-launch passes the signal on), save and exit;
-    fathom-launch waits for them and ends with their 75."""
+    step 1209). Now the ranks see their launcher end (or fathom-launch and torchrun pass the signal on), save
+    and exit; fathom-launch waits for them and ends with their 75."""
     run = tmp_path / "run"
-    command = [sys.executable, str(ROOT / "scripts" / "launch.py")] if front == "fathom-launch" else ["deepspeed"]
-    command += ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER), *args(run, steps=100000)]
+    command = [*LAUNCHERS[front], "--master_port", str(free_port()), str(WORKER), *args(run, steps=100000)]
     launcher = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         wait_for(lambda: steps_done(run) >= 3)
         launcher.terminate()  # that process alone, not its group
         output, _ = launcher.communicate(timeout=120)
-        wait_for(lambda: not rank_pids(run), timeout=60)
+        wait_for(lambda: not training(run), timeout=60)
     finally:
-        for process in [launcher, *map(psutil.Process, rank_pids(run).values())]:
-            process.kill()
+        launcher.kill()
+        subprocess.run(["pkill", "-9", "-f", f"train.save_dir={run} "])
     step = steps_done(run)
     assert latest_tag(run) == f"global_step{step}", output[-3000:]
     if front == "fathom-launch":

@@ -159,7 +159,7 @@ def init_distributed(
     backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", backend_timeout(hang_timeout)
     if backend == "gloo":  # DeepSpeed compiles its CPU all-reduce inside init_distributed: in this environment's
         prepare_cpu_op(min(DEFAULT_TIMEOUT, startup_timeout / 2))  # directory, never on a dead build's lock
-    if env_launched():
+    if env_launched() and not dist.is_initialized():  # a process may train several runs (the study's cells)
         join(backend, startup_timeout, timeout)
     try:  # adopts the group join() built; under mpirun, discovers the world and builds it
         deepspeed.init_distributed(dist_backend=backend, distributed_port=master_port(), timeout=timeout)

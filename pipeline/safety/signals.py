@@ -13,7 +13,7 @@ torchrun answers SIGTERM with SIGTERM, and a scheduler may signal the launcher a
 signal within ECHO_S of the first is that same stop; a later one, after the request, ends the rank at once
 (a save cut short leaves `latest` naming the previous checkpoint). Before training starts there is nothing
 to save and a signal ends the rank at once; once the stop's checkpoint is committed, any signal ends it
-with RESUMABLE_EXIT.
+with RESUMABLE_EXIT, and once the run has failed, a signal ends the rank at once and quietly.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Stopper:
         self.first_signal_at: float | None = None
         self.deadline: float | None = None  # time.monotonic() of train.exit_after_minutes
         self.exit_after_minutes: float | None = None
-        self.phase = "starting"  # then "training", then "saved"
+        self.phase = "starting"  # then "training", then "saved" (or "ending", failed)
         self.run_dir: RunDirectory | None = None
         self.watchdog: Watchdog | None = None
         self.steps_done: Callable[[], int] = lambda: 0
@@ -87,10 +87,17 @@ class Stopper:
         """Asks for a save and a stop at the next step boundary (the first reason stays)."""
         self.requested = self.requested or code
 
+    def ending(self) -> None:
+        """The run failed and says so itself: a signal from now on (the launcher ending the other ranks)
+        only hurries the exit."""
+        self.phase = "ending"
+
     def handle(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
         if self.phase == "saved":  # everything is saved: leave now, as a stopped run does
             self.end(RESUMABLE_EXIT)
+        if self.phase == "ending":
+            self.end(128 + signum)
         if self.phase == "training" and (self.first_signal_at is None or now - self.first_signal_at < ECHO_S):
             self.first_signal_at = self.first_signal_at or now
             self.request(signum)

@@ -26,10 +26,15 @@ REPORTER_GRACE_S = 20.0
 def exit_on_config_error(report: bool = True) -> Iterator[None]:
     """For command-line entry points: a ConfigError ends the process with its one line on stderr and
     exit status 2; a file that cannot be read or written (a full disk, permissions) with the system's
-    line and exit status 1. With `report` false (every rank but the first) the process first waits
-    REPORTER_GRACE_S for the first rank to report the same error and end the job."""
+    line and exit status 1; a Ctrl-C with one line and 130, as a shell reports it (every command writes its
+    outputs whole or not at all, so nothing half-written is left). With `report` false (every rank but the
+    first) the process first waits REPORTER_GRACE_S for the first rank to report the same error and end
+    the job."""
     try:
         yield
+    except KeyboardInterrupt:
+        print("fathom: stopped by SIGINT (Ctrl-C); nothing half-written is left", file=sys.stderr, flush=True)
+        sys.exit(130)
     except ConfigError as err:
         _exit_with(str(err), 2, report)
     except OSError as err:

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -325,3 +326,21 @@ def test_a_host_probe_names_what_is_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(hosts.sys, "executable", sys.executable)
     monkeypatch.setattr(hosts.os.path, "abspath", lambda path: str(ROOT))
     hosts.check_hosts(["worker-0", "worker-1"], "fathom.train", True, None)  # a module found: no error
+
+
+@pytest.mark.slow
+def test_a_process_started_alone_is_a_world_of_one(tmp_path):
+    """`python scripts/train.py` (fathom-train, python -m fathom.train) with no launcher and no mpi4py ended in
+    DeepSpeed's MPI discovery: `ModuleNotFoundError: No module named 'mpi4py'`. Alone, it is a world of one
+    and trains, as fairseq's and torchtitan's train.py do."""
+    shim = tmp_path / "no-mpi4py" / "mpi4py"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\", name='mpi4py')\n")
+    launched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launched} | {"PYTHONPATH": str(shim.parent)}
+    run = tmp_path / "run"
+    alone = subprocess.run([sys.executable, str(TRAIN), "--config", "default", "--override", "pipeline.stages=1",
+                            "train.max_steps=2", f"train.save_dir={run}"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert alone.returncode == 0 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2

@@ -232,3 +232,35 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
         assert result.returncode == 0, result.stderr
         peaks[pairs] = int(result.stdout.split()[-1]) / 1024  # MiB
     assert peaks[200_000] < peaks[10_000] + 25, peaks
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path):
+    """Ctrl-C during fathom-prepare (or fathom-export) printed a KeyboardInterrupt traceback; nothing
+    half-written was left, which holds. Now it is one line and status 130, as a stopped training run says."""
+    import gzip
+    import signal
+    import time
+
+    out = tmp_path / "data-bin"
+    for lang in ("de", "en"):  # Multi30k's training text 8 times: long enough to be stopped midway
+        with gzip.open(ROOT / "data" / "multi30k" / f"train.{lang}.gz", "rt", encoding="utf-8") as text:
+            (tmp_path / f"train.{lang}").write_text(text.read() * 8, encoding="utf-8")
+    command = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--src", "de", "--tgt", "en", "--train",
+               "train", "--valid", "multi30k/val", "--vocab-size", "8000", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # reading the corpus, training SentencePiece or encoding, whichever it is in
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "fathom: stopped by SIGINT (Ctrl-C); nothing half-written is left"
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".data-bin")]
+
+
+def test_a_ctrl_c_in_any_command_is_one_line_and_status_130(capsys):
+    from fathom.common.errors import exit_on_config_error
+
+    with pytest.raises(SystemExit) as stopped, exit_on_config_error():
+        raise KeyboardInterrupt
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "fathom: stopped by SIGINT (Ctrl-C); nothing half-written is left\n"

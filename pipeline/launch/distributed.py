@@ -14,7 +14,7 @@ import io
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -23,6 +23,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from fathom.common import ports
 from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig
@@ -73,6 +74,18 @@ def launched_world(environ: Mapping[str, str] = os.environ) -> World:
     local_size = _first(environ, LOCAL_SIZE_VARIABLES) or size
     local_rank = _first(environ, LOCAL_RANK_VARIABLES)
     return World(rank, size, local_size, rank % local_size if local_rank is None else local_rank)
+
+
+def adopt_standalone_world(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """A process no launcher started (`python scripts/train.py`, fathom-train) is a world of one on this
+    machine, as fairseq's and torchtitan's train.py run alone: exports its env:// variables, where DeepSpeed
+    would look for an MPI world through mpi4py instead. Returns whether it did."""
+    if any(name in environ for name in RANK_VARIABLES):
+        return False
+    environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")
+    environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    environ.setdefault("MASTER_PORT", str(ports.free_port()))
+    return True
 
 
 def cpu_threads(environ: Mapping[str, str] = os.environ) -> int:
@@ -157,6 +170,7 @@ def init_distributed(
     CPU ranks on one machine split its cores instead of oversubscribing, with glibc's heap as
     train.cpu_heap says."""
     backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", backend_timeout(hang_timeout)
+    adopt_standalone_world()
     if backend == "gloo":  # DeepSpeed compiles its CPU all-reduce inside init_distributed: in this environment's
         prepare_cpu_op(min(DEFAULT_TIMEOUT, startup_timeout / 2))  # directory, never on a dead build's lock
     if env_launched() and not dist.is_initialized():  # a process may train several runs (the study's cells)

@@ -4,6 +4,7 @@ garbage."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from fathom.common.errors import ConfigError
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,16 +91,46 @@ def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) ->
 
 
 @contextmanager
-def staged(out: Path) -> Iterator[Path]:
-    """A fresh directory beside `out`, renamed to `out` (replacing it) only when the block completes:
-    an error never leaves a half-written `out`, and the staging directory is always removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private
+def writing_lock(out: Path) -> Iterator[None]:
+    """Holds `.OUT.lock` beside `out` while a command writes it: a second command writing the same output
+    at the same time is refused in one line. Checking that `out` does not exist yet is not enough: both
+    check before either has written it (the kernel releases the lock however the holder ends)."""
+    lock = out.with_name(f".{out.name}.lock")
+    handle = open(lock, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
     try:
-        yield staging
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(f"{out}: another command is writing it now ({holder}); wait for it to end, or "
+                          "choose another output") from None  # fmt: skip
+    try:
+        handle.truncate(0)
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        lock.unlink(missing_ok=True)
+        handle.close()
+
+
+@contextmanager
+def staged(out: Path, replace: bool = False) -> Iterator[Path]:
+    """A fresh directory beside `out`, renamed to `out` only when the block completes: an error never
+    leaves a half-written `out`, and the staging directory is always removed. No other command writes
+    `out` meanwhile (writing_lock); an `out` there at the end is replaced only with `replace` (--force)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with writing_lock(out):
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        staging.chmod(0o755)  # mkdtemp makes it private
+        try:
+            yield staging
+            taken = out.exists() and not (out.is_dir() and not any(out.iterdir()))  # an empty folder is free
+            if taken and not replace:
+                raise ConfigError(f"{out}: appeared while this command ran; pass --force to replace it")
+            if out.exists():
+                shutil.rmtree(out)
+            staging.rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)

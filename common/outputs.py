@@ -38,6 +38,30 @@ def check_makeable(out: Path, name: str) -> None:
     check_writable_folder(existing, f"{name}:")
 
 
+def check_files_folder(out: Path, name: str) -> None:
+    """`out` can take a command's files beside what it holds (zero_to_fp32's OUTPUT_DIR, which may exist and is
+    never replaced whole): check_makeable's checks, and `out` is itself none of the folders fathom reads
+    back or deletes whole: a checkpoint, a folder of a training run (where its checkpoints go: a later save,
+    a better best or a reshape lands on or deletes a tag-named one), a prepared data directory."""
+    folder = out.resolve()  # a link to a checkpoint, or RUN/x/.., is that folder
+    if is_checkpoint(folder):
+        raise ConfigError(
+            f"{name}: {out} is a checkpoint, which holds only its own files (a best one is deleted whole once "
+            "superseded); choose a directory outside the run"
+        )
+    if is_run(folder.parent):
+        raise ConfigError(
+            f"{name}: {out} is inside the training run {folder.parent}, whose folders are its checkpoints; choose "
+            "a directory outside the run"
+        )
+    if (folder / META_FILE).exists():
+        raise ConfigError(
+            f"{name}: {out} is a prepared data directory, which holds only its own checksummed files; choose "
+            "another directory"
+        )
+    check_makeable(out, name)  # last: it tries a write in the folder, which would touch those folders' times
+
+
 def check_writable_folder(folder: Path, name: str) -> None:
     """New entries can be made in `folder`: tried by making (and removing) one."""
     try:

@@ -211,7 +211,9 @@ def by_step(checkpoints: list[Path]) -> list[tuple[int, Path]]:
     return sorted((global_step(checkpoint), checkpoint) for checkpoint in checkpoints)
 
 
-def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str], out_tag: str) -> dict[str, Any]:
+def average(
+    save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str], out_tag: str, force: bool = False
+) -> dict[str, Any]:
     """Writes the mean of the layer files `names` of `checkpoints` (by_step's) to SAVE_DIR/out_tag, at
     the newest checkpoint's step; returns the summary."""
     summary = {
@@ -221,7 +223,7 @@ def average(save_dir: Path, checkpoints: list[tuple[int, Path]], names: list[str
         "layer_files": len(names),
         "note": "weights: the mean of the averaged checkpoints'; global_steps: the newest one's",
     }
-    with staged(save_dir / out_tag) as staging:
+    with staged(save_dir / out_tag, force) as staging:
         for name in names:
             save_file(average_layer([checkpoint / name for _, checkpoint in checkpoints]), staging / name)
         (staging / AVERAGE_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
@@ -259,7 +261,7 @@ def average_checkpoints(
         out_tag = average_tag([path.name for _, path in checkpoints], last)
     check_out_tag(save_dir, out_tag, chosen, force)
     names = check_layer_files(cfg, chosen)
-    return Averaged(out_tag, average(save_dir, checkpoints, names, out_tag))
+    return Averaged(out_tag, average(save_dir, checkpoints, names, out_tag, force))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -226,7 +226,7 @@ def import_fairseq(
     checkpoint = read_checkpoint(source)
     cfg = model_config_from(checkpoint.args, checkpoint.state, source)
     directory, dictionaries = model_dictionaries(checkpoint.task, data, cfg, source)
-    with staged(out) as staging:
+    with staged(out, force) as staging:
         (staging / TAG).mkdir()
         write_layers(cfg, checkpoint.state, staging / TAG, source)
         (staging / LATEST).write_text(TAG)

@@ -317,7 +317,7 @@ def export(
     out = Path(out)
     check_output_dir(out, force, SUMMARY, [run_dir, data])
     opened = Export.open(run_dir, tag)
-    with staged(out) as staging:
+    with staged(out, force) as staging:
         return opened.write(staging, Path(data), out, splits)
 
 

@@ -34,7 +34,7 @@ from fathom.corpus.encoded_splits import binarize, write_split
 from fathom.corpus.filters import FilterSettings
 from fathom.corpus.prepare_options import PrepareOptions
 from fathom.corpus.raw_splits import SplitFiles, check_held_out, scan
-from fathom.corpus.text import find_file
+from fathom.corpus.text import find_pair
 from fathom.corpus.vocabulary import count_dictionaries, given_vocabulary, sentencepiece_models
 
 
@@ -86,7 +86,7 @@ def prepare(options: PrepareOptions) -> dict:
     langs = options.src, options.tgt
     prefixes = {"train": str(options.train), "valid": str(options.valid)}
     prefixes.update({("test" if i == 0 else f"test{i}"): str(p) for i, p in enumerate(options.test)})
-    splits = [SplitFiles(name, p, (find_file(p, langs[0]), find_file(p, langs[1]))) for name, p in prefixes.items()]
+    splits = [SplitFiles(name, p, find_pair(p, langs)) for name, p in prefixes.items()]
     # the files themselves too: a prefix's file may be a link into --out
     check_output_dir(out, options.force, META_FILE, [*prefixes.values(), *(f for s in splits for f in s.files)])
     given = given_vocabulary(options)
@@ -98,7 +98,7 @@ def prepare(options: PrepareOptions) -> dict:
     settings = options.filters
     processes = options.workers or len(os.sched_getaffinity(0))
 
-    with staged(out) as tmp:
+    with staged(out, options.force) as tmp:
         vocab, spm_record = sentencepiece_models(options, given, splits[0], scans["train"], tmp)
         with Workers(processes, (str(vocab.models[0]), str(vocab.models[1]))) as workers:
             binarized = {s.name: binarize(s, scans[s.name], workers, settings, langs, tmp) for s in splits}
@@ -126,6 +126,7 @@ def prepare(options: PrepareOptions) -> dict:
                     **binarized[s.name].counts,
                     "longest": binarized[s.name].longest,
                     "source": s.prefix,
+                    "read_from": [str(path.resolve()) for path in s.files],  # a shipped file names the install
                 }
                 for s in splits
             },

@@ -19,18 +19,34 @@ from fathom.common.errors import ConfigError
 GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # cut short, not gzip, damaged inside
 
 
-def find_file(prefix: str, lang: str) -> Path:
-    """PREFIX.LANG, else PREFIX.LANG.gz; where neither exists and PREFIX is relative, the same in the corpus
-    fathom ships (`multi30k/train`), so that an installed fathom prepares it from any directory."""
+def in_folder(folder: Path, prefix: str, lang: str) -> Path | None:
+    """PREFIX.LANG, else PREFIX.LANG.gz, in `folder`; None if neither is a file."""
+    return next((c for c in (folder / f"{prefix}.{lang}", folder / f"{prefix}.{lang}.gz") if c.is_file()), None)
+
+
+def find_pair(prefix: str, langs: tuple[str, str]) -> tuple[Path, Path]:
+    """Both sides of a parallel prefix, PREFIX.LANG or PREFIX.LANG.gz, from one folder: here, else (PREFIX
+    relative and neither side here) the corpus fathom ships (`multi30k/train`), so that an installed fathom
+    prepares it from any directory. One side here and the other only in the shipped corpus would pair the
+    lines of two corpora: refused."""
     shipped = Path(str(files("fathom.data")))
     folders = (Path(), shipped) if not Path(prefix).is_absolute() else (Path(),)
     for folder in folders:
-        for candidate in (folder / f"{prefix}.{lang}", folder / f"{prefix}.{lang}.gz"):
-            if candidate.is_file():
-                return candidate
-    splits = sorted(str(p.relative_to(shipped)).removesuffix(f".{lang}.gz") for p in shipped.glob(f"*/*.{lang}.gz"))
+        found = [in_folder(folder, prefix, lang) for lang in langs]
+        if all(found):
+            return found[0], found[1]
+        if any(found):
+            have, missing = (langs[0], langs[1]) if found[0] else (langs[1], langs[0])
+            where = "here" if folder == Path() else f"in the shipped corpus ({shipped})"
+            raise ConfigError(
+                f"{prefix}.{have} is {where} but {prefix}.{missing} is not (nor {prefix}.{missing}.gz): both "
+                "sides of a prefix come from one folder; add the other side or give a prefix that has both"
+            )
+    splits = sorted(
+        str(p.relative_to(shipped)).removesuffix(f".{langs[0]}.gz") for p in shipped.glob(f"*/*.{langs[0]}.gz")
+    )
     shipped_note = f"; fathom ships {', '.join(splits)}" if splits else ""
-    raise ConfigError(f"{prefix}.{lang}: no such file (also tried {prefix}.{lang}.gz){shipped_note}")
+    raise ConfigError(f"{prefix}.{langs[0]}: no such file (also tried {prefix}.{langs[0]}.gz){shipped_note}")
 
 
 def raw_lines(path: Path) -> Iterator[bytes]:

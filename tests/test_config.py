@@ -640,3 +640,27 @@ def test_a_copied_run_directory_is_no_change_of_settings(tmp_path):
     longer = {**moved, "train": {**moved["train"], "max_steps": 800}}
     assert record_config(copy, longer, 200) == ["train.max_steps 400 -> 800"]
     assert [r["from_step"] for r in read_jsonl(copy / CONFIG_HISTORY)] == [0, 200]
+
+
+def test_a_bare_name_finds_the_shipped_config_past_a_directory_and_an_explicit_path_never_falls_back(
+    tmp_path, capsys, monkeypatch
+):
+    """A directory named `default` where the command ran made `--config default` fail (`Is a directory`)
+    instead of reading the shipped config, while `--config ./default` with no such file silently trained the
+    shipped one. A bare name finds a shipped config where no file of that name exists (a directory is
+    none); a path with a / or a leading . is read as written, or refused in one line."""
+    from pathlib import Path
+
+    from fathom.pipeline.config.run_config import config_file
+
+    monkeypatch.chdir(tmp_path)
+    shipped = config_file("default")
+    assert shipped.is_file() and shipped.parent.name == "ds_configs"
+    for explicit in ("./default", "./default.json", "sub/default", ".default"):
+        assert config_file(explicit) == Path(explicit) != shipped
+    assert "default: no such config" in fail(capsys, ["--config", "./default"], monkeypatch=monkeypatch)
+    (tmp_path / "default").mkdir()
+    assert config_file("default") == shipped
+    assert load_config("default", world_size=None).model == load_config(DEFAULT, world_size=None).model
+    assert "cannot read the config (Is a directory)" in fail(capsys, ["--config", "./default"], monkeypatch=monkeypatch)
+    assert list(tmp_path.iterdir()) == [tmp_path / "default"]

@@ -94,3 +94,57 @@ def test_a_run_applies_fairseqs_rates_and_resumes_on_them(tmp_path):
     assert_same_training(full, cut)
     rates = [step["lr"] for step in logged_steps(full) if "lr" in step]
     assert rates == pytest.approx([fairseqs_rate(u - 1) for u in range(1, 9)], rel=1e-9)
+
+
+DEFAULT = ROOT / "ds_configs" / "default.json"
+TOTAL = {"total_num_steps": 400, "warmup_num_steps": 10}  # the default job's train.max_steps: check_schedule passes
+NEGATIVE_RATES = [
+    ("InverseSqrtLR", {"warmup_min_lr": -0.01, "warmup_max_lr": -0.01, "warmup_num_steps": 1}, "warmup_min_lr"),
+    ("InverseSqrtLR", {"warmup_max_lr": -0.01}, "warmup_max_lr"),
+    ("WarmupLR", {"warmup_max_lr": -0.001}, "warmup_max_lr"),
+    ("WarmupLR", {"warmup_min_lr": -1e-5, "warmup_max_lr": 0.001}, "warmup_min_lr"),
+    ("WarmupDecayLR", {**TOTAL, "warmup_max_lr": -0.001}, "warmup_max_lr"),
+    ("WarmupCosineLR", {**TOTAL, "warmup_min_ratio": -0.5}, "warmup_min_ratio"),
+    ("WarmupCosineLR", {**TOTAL, "cos_min_ratio": -0.5}, "cos_min_ratio"),
+    ("OneCycle", {"cycle_min_lr": -0.001, "cycle_max_lr": 0.01}, "cycle_min_lr"),
+    ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": [-0.01]}, "cycle_max_lr"),  # one rate per param group
+    ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 0.01, "decay_lr_rate": -0.5}, "decay_lr_rate"),
+    ("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": 0.01, "cycle_min_mom": -0.8}, "cycle_min_mom"),
+    ("LRRangeTest", {"lr_range_test_min_lr": -0.001}, "lr_range_test_min_lr"),
+    ("LRRangeTest", {"lr_range_test_step_rate": -1.0}, "lr_range_test_step_rate"),
+]
+
+
+def load_with_scheduler(name: str, params: dict):
+    """The default job's config through the config loader, its scheduler replaced as --override would."""
+    from fathom.pipeline.config.run_config import load_config
+
+    return load_config(DEFAULT, [f"scheduler={json.dumps({'type': name, 'params': params})}"], world_size=None)
+
+
+@pytest.mark.parametrize("name, params, key", NEGATIVE_RATES, ids=[f"{c[0]}-{c[2]}" for c in NEGATIVE_RATES])
+def test_a_negative_rate_of_any_scheduler_is_one_line_naming_the_key(name, params, key):
+    """A negative rate given through the scheduler trained by gradient ascent (InverseSqrtLR at -0.01: the
+    loss climbed 3.45 -> 4.89, exit 0), where optimizer.params.lr=-0.001 was refused: every rate, ratio and
+    momentum of every scheduler fathom accepts is refused below 0, naming its key."""
+    with pytest.raises(ConfigError) as err:
+        load_with_scheduler(name, params)
+    assert str(err.value).startswith(f"scheduler.params.{key}: ") and "\n" not in str(err.value)
+    assert "negative" in str(err.value) and ">= 0" in str(err.value)
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5])
+@pytest.mark.parametrize("name", ["InverseSqrtLR", "WarmupLR"])
+def test_a_warmup_that_is_no_count_of_steps_is_one_line_naming_the_key(name, steps):
+    """InverseSqrtLR's warmup_num_steps 0 or -3 ended in `scheduler.params: division by zero`, naming no
+    key, and 2.5 was taken as a step count; it is refused as DeepSpeed's WarmupLR refuses it."""
+    with pytest.raises(ConfigError) as err:
+        load_with_scheduler(name, {"warmup_num_steps": steps})
+    assert str(err.value) == f"scheduler.params: warmup_num_steps must be a positive integer, got {steps}"
+
+
+def test_zero_and_positive_rates_still_load():
+    """What the refusals leave alone: a warmup from 0, the papers' InverseSqrtLR, OneCycle's defaults."""
+    load_with_scheduler("InverseSqrtLR", {"warmup_min_lr": 0, "warmup_max_lr": 5e-4, "warmup_num_steps": 1})
+    load_with_scheduler("WarmupCosineLR", {**TOTAL, "warmup_min_ratio": 0.0, "cos_min_ratio": 0.0})
+    load_with_scheduler("OneCycle", {"cycle_min_lr": 0.0, "cycle_max_lr": [0.01]})

@@ -3,6 +3,7 @@ given, WMT-style filtering, and shards that training reads as one corpus."""
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,9 +250,13 @@ def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path):
     command = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--src", "de", "--tgt", "en", "--train",
                "train", "--valid", "multi30k/val", "--vocab-size", "8000", "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4)  # reading the corpus, training SentencePiece or encoding, whichever it is in
+    said = ""
+    while "reading train" not in said and proc.poll() is None:  # at work, past the imports
+        said += proc.stderr.read(1)
+    time.sleep(1)  # reading the corpus or training SentencePiece, whichever it is in
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
+    err = said + err
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "fathom: stopped by SIGINT (Ctrl-C); nothing half-written is left"
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".data-bin")]
@@ -264,3 +269,75 @@ def test_a_ctrl_c_in_any_command_is_one_line_and_status_130(capsys):
         raise KeyboardInterrupt
     assert stopped.value.code == 130
     assert capsys.readouterr().err == "fathom: stopped by SIGINT (Ctrl-C); nothing half-written is left\n"
+
+
+def test_an_output_directory_is_written_by_one_command_at_a_time(tmp_path):
+    """Two preparations into one new --out at the same time both succeeded, the second replacing the first:
+    the check that --out does not exist runs at the start only. Now the second is refused while the first
+    writes, and an --out that appeared meanwhile is replaced only with --force (every command that stages an
+    output directory: prepare, export, import, average)."""
+    from fathom.common.files import staged
+
+    out = tmp_path / "data-bin"
+    with staged(out) as first:
+        (first / "meta.json").write_text("first")
+        with pytest.raises(ConfigError, match=rf"{out}: another command is writing it now \(pid {os.getpid()}\)"):
+            with staged(out):
+                pass
+    assert (out / "meta.json").read_text() == "first" and not list(tmp_path.glob(".data-bin*"))
+    with pytest.raises(ConfigError, match="appeared while this command ran; pass --force to replace it"):
+        with staged(out) as second:
+            (second / "meta.json").write_text("second")
+    assert (out / "meta.json").read_text() == "first"
+    with staged(out, replace=True) as forced:
+        (forced / "meta.json").write_text("forced")
+    assert (out / "meta.json").read_text() == "forced" and not list(tmp_path.glob(".data-bin*"))
+
+
+@pytest.mark.slow
+def test_a_second_preparation_into_the_same_new_out_is_refused_while_the_first_runs(tmp_path):
+    import gzip
+    import time
+
+    for lang in ("de", "en"):  # long enough for the second to start while the first writes
+        with gzip.open(ROOT / "data" / "multi30k" / f"train.{lang}.gz", "rt", encoding="utf-8") as text:
+            (tmp_path / f"train.{lang}").write_text(text.read() * 8, encoding="utf-8")
+    out = tmp_path / "same"
+
+    def command(vocab: int) -> list[str]:
+        return [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--src", "de", "--tgt", "en", "--train",
+                "train", "--valid", "multi30k/val", "--vocab-size", str(vocab), "--out", str(out)]  # fmt: skip
+
+    first = subprocess.Popen(command(1000), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / ".same.lock").exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = subprocess.run(command(800), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    first.communicate(timeout=300)
+    assert first.returncode == 0, "the first preparation failed"
+    refused = f"fathom: error: {out}: another command is writing it now (pid {first.pid})"
+    assert second.returncode == 2 and second.stderr.strip().splitlines()[-1].startswith(refused), second.stderr
+    assert json.loads((out / "meta.json").read_text())["vocab"] == {"de": 1008, "en": 1008}  # the first's 1000
+
+
+def test_both_sides_of_a_prefix_come_from_one_folder(tmp_path, monkeypatch, capsys):
+    """With ./multi30k/test_2016_flickr.en present and no .de beside it, `--test multi30k/test_2016_flickr` took
+    German from the shipped corpus and English from ./multi30k: the test set silently mispaired, exit 0."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "multi30k").mkdir()
+    (tmp_path / "multi30k" / "test_2016_flickr.en").write_text("a local file of that name\n")
+    with pytest.raises(SystemExit) as refused:
+        prepare_main(["--src", "de", "--tgt", "en", "--train", "multi30k/train", "--valid", "multi30k/val", "--test",
+                      "multi30k/test_2016_flickr", "--vocab-size", "500", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert refused.value.code == 2 and not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == (
+        "fathom: error: multi30k/test_2016_flickr.en is here but multi30k/test_2016_flickr.de is not (nor "
+        "multi30k/test_2016_flickr.de.gz): both sides of a prefix come from one folder; add the other side or give "
+        "a prefix that has both\n"
+    )
+
+
+def test_meta_records_the_files_each_split_was_read_from(standin, tmp_path):
+    meta = run_prepare(standin, tmp_path / "out", "--vocab-size", "500", "--spm-sample", "4000")
+    assert meta["splits"]["train"]["read_from"] == [str((standin / "train.de").resolve()),
+                                                    str((standin / "train.en").resolve())]  # fmt: skip

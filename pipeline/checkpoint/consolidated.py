@@ -25,7 +25,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import save_file, unique_sibling, write_atomic
-from fathom.common.outputs import check_makeable
+from fathom.common.outputs import check_files_folder
 from fathom.common.run_layout import DEEPSPEED_SCRIPTS, checkpoint_dir
 from fathom.model.model_config import DTYPES
 from fathom.model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
@@ -64,19 +64,30 @@ def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[
     cfg = model_config(save_dir)
     checkpoint = checkpoint_dir(save_dir, tag)
     missing_layer_files(cfg, checkpoint)
-    check_makeable(out, "output_dir")
+    check_files_folder(out, "output_dir")
     precision = DTYPES[DTYPE_NAMES[dtype]]
     state = {
         key: value.to(precision) if value.is_floating_point() else value
         for key, value in fairseq_state_dict(load_reference(save_dir, checkpoint.name)).items()
     }
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     path, partial = out / WEIGHTS, unique_sibling(out / WEIGHTS)
     try:
-        save_file(state, partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+        try:
+            save_file(state, partial)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+    except BaseException as err:  # a full disk or Ctrl-C: nothing of this command's is left
+        for folder in made:
+            try:
+                folder.rmdir()  # refused for one that is not empty: never another's files
+            except OSError:
+                break
+        if isinstance(err, OSError):  # torch's writer fails at close, naming no file, or the hidden partial one
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
     parameters = sum({value.data_ptr(): value.numel() for value in state.values()}.values())
     return {"path": path, "checkpoint": checkpoint, "parameters": parameters, "dtype": DTYPE_NAMES[dtype]}
 

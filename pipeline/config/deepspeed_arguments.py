@@ -65,6 +65,7 @@ def check_constructor_args(ds: dict[str, Any]) -> None:
             )
         builder = inverse_sqrt.InverseSqrtLR if name == inverse_sqrt.NAME else getattr(lr_schedules, name)
         check_arguments("scheduler", name, scheduler["params"], parameters(builder))
+        check_scheduler_rates(scheduler["params"])
         warmup = scheduler["params"].get(lr_schedules.WARMUP_TYPE)
         rates = sorted({lr_schedules.WARMUP_LINEAR_RATE, lr_schedules.WARMUP_LOG_RATE})
         if warmup is not None and warmup not in rates:  # DeepSpeed would warn and warm up by log instead
@@ -82,6 +83,25 @@ def check_arguments(section: str, name: str, params: Any, accepted: set[str] | N
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# A scheduler's arguments that are rates or momenta, by DeepSpeed's names (warmup_min_lr, cycle_max_lr,
+# decay_lr_rate, lr_range_test_step_rate, warmup_min_ratio, cos_min_ratio, cycle_min_mom, ...): the learning
+# rate the schedule sets is made of them, and none of its constructors refuses one below 0.
+RATE_SUFFIXES = ("_lr", "_rate", "_ratio", "_mom")
+
+
+def check_scheduler_rates(params: dict[str, Any]) -> None:
+    """A negative rate trains by gradient ascent: torch refuses optimizer.params.lr=-0.001, but a
+    scheduler overwrites the optimizer's rate unchecked. Values of another type are left to
+    check_like_defaults, which names the type expected."""
+    for key, value in params.items():
+        values = value if isinstance(value, list) else [value]  # a rate per parameter group, as DeepSpeed takes
+        if key.endswith(RATE_SUFFIXES) and any(is_number(v) and v < 0 for v in values):
+            raise ConfigError(
+                f"scheduler.params.{key}: {value!r} is negative, and a learning rate below 0 trains by "
+                "gradient ascent; give a value >= 0"
+            )
 
 
 def check_like_defaults(section: str, builder: Callable, params: dict[str, Any]) -> None:

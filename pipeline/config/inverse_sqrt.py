@@ -36,6 +36,9 @@ class InverseSqrtLR:
         warmup_num_steps: int = 4000,
         last_batch_iteration: int = -1,
     ) -> None:
+        # as DeepSpeed's WarmupLR refuses it: 0 or less divided by zero in rate(), 2.5 passed for a count
+        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.optimizer = optimizer
         self.min_lr, self.warmup_num_steps = warmup_min_lr, warmup_num_steps
         self.max_lrs = [warmup_max_lr if warmup_max_lr is not None else g["lr"] for g in optimizer.param_groups]

@@ -259,11 +259,13 @@ PAPERS = "papers"
 
 
 def config_file(name: str | Path) -> Path:
-    """The config at `name`; where no such file exists and `name` is a bare name, the config fathom ships
-    under it (`default` or `default.json`, or a paper's recipe: ds_configs/papers/), so that an installed
-    fathom runs from any directory."""
-    path = Path(name)
-    if path.exists() or path.parent != Path("."):
+    """The config at `name`; where `name` is a bare name and no file of that name exists, the config fathom
+    ships under it (`default` or `default.json`, or a paper's recipe: ds_configs/papers/), so that an
+    installed fathom runs from any directory. A directory of that name is no config, so it does not hide the
+    shipped one (a run's save_dir named `default`, say). A path (a / in it, or a leading ., which Path drops
+    from ./default) is read as written: a typo in it must not train a shipped config instead."""
+    path, text = Path(name), str(name)
+    if "/" in text or text.startswith(".") or path.is_file():
         return path
     filename = path.name if path.suffix == ".json" else f"{path.name}.json"
     shipped = files("fathom.ds_configs")

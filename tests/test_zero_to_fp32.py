@@ -1,0 +1,111 @@
+"""fathom-zero-to-fp32 (pipeline/checkpoint/consolidated.py), which the zero_to_fp32.py fathom writes into every
+save_dir runs too: where its output_dir may be, and a full disk while it writes."""
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fathom.model.model_config import ModelConfig
+from fathom.model.transformer import Transformer
+from fathom.pipeline.checkpoint.consolidated import WEIGHTS, main, write_recovery_scripts
+from tests.helpers import snapshot, write_run
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A run whose latest checkpoint is global_step7, as training leaves it (written without DeepSpeed)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=8, ffn_dim=16, attention_heads=2,
+                      src_vocab_size=40, tgt_vocab_size=40)  # fmt: skip
+    return write_run(Transformer(cfg), tmp_path / "run", step=7)
+
+
+# output_dir by what it is: (the run, the prepared data, a scratch folder) -> the path
+REFUSED = {
+    "the checkpoint": lambda run, data, tmp: run / "global_step7",
+    "the checkpoint through a link": lambda run, data, tmp: linked(tmp / "link", run / "global_step7"),
+    "a folder of the run, where its next checkpoint goes": lambda run, data, tmp: run / "global_step8",
+    "the prepared data": lambda run, data, tmp: data,
+}
+
+
+def linked(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_an_output_dir_that_is_a_checkpoint_a_runs_folder_or_data_is_one_line(
+    run, multi30k_slice, tmp_path, capsys, case
+):
+    """`fathom-zero-to-fp32 RUN RUN/global_step7` wrote RUN/global_step7/pytorch_model.bin into the committed
+    checkpoint, exit 0 (a file inside a best_* checkpoint goes when a better best arrives), and into a prepared
+    data directory too, as the converters' --out never does: one line naming output_dir, nothing written."""
+    out = REFUSED[case](run, multi30k_slice, tmp_path)
+    before = snapshot(run), snapshot(multi30k_slice)
+    with pytest.raises(SystemExit) as exited:
+        main([str(run), str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"fathom: error: output_dir: {out} ") and "choose" in err, err
+    assert (snapshot(run), snapshot(multi30k_slice)) == before
+
+
+def test_an_output_dir_beside_the_run_or_the_run_itself_takes_the_weights(run, tmp_path, capsys):
+    """What the refusals leave alone: a new folder anywhere else, and the run's own folder, which takes other
+    tools' files beside its records (none of which is named pytorch_model.bin)."""
+    for out in (tmp_path / "fp32" / "nested", run):
+        main([str(run), str(out)])
+        assert capsys.readouterr().out.startswith(f"wrote {out / WEIGHTS}: {run / 'global_step7'}")
+        state = torch.load(out / WEIGHTS, weights_only=True)
+        assert "encoder.layers.0.fc1.weight" in state and all(v.dtype == torch.float32 for v in state.values())
+
+
+def zero_to_fp32(run: Path, *args: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """The zero_to_fp32.py fathom wrote into the run, run as DeepSpeed's users run it; with `file_size_limit`
+    (bytes) no file can grow past it, as on a full disk."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    return subprocess.run([sys.executable, str(run / "zero_to_fp32.py"), str(run), *args], capture_output=True,
+                          text=True, timeout=300, preexec_fn=limit if file_size_limit else None)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_save_dirs_own_zero_to_fp32_refuses_its_checkpoint_in_one_line(run):
+    """DeepSpeed's name in the save_dir, fathom's code: the same refusal, the checkpoint as it was."""
+    write_recovery_scripts(str(run))
+    before = snapshot(run)
+    result = zero_to_fp32(run, str(run / "global_step7"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr[-2000:]
+    assert result.stderr.startswith(f"fathom: error: output_dir: {run / 'global_step7'} is a checkpoint")
+    assert snapshot(run) == before
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_behind(run, tmp_path):
+    """A full disk (a file size limit makes every write past 4 kB fail as one would) printed `fathom: error:
+    File too large`, naming no file, and left the new output directory behind, empty. Now one line naming
+    OUTPUT_DIR/pytorch_model.bin, exit 1; a directory it made is removed, one that was there keeps its old
+    weights, and no partial file is left in either."""
+    write_recovery_scripts(str(run))
+    new = tmp_path / "new" / "fp32"
+    result = zero_to_fp32(run, str(new), file_size_limit=4096)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip() == f"fathom: error: {new / WEIGHTS}: File too large"
+    assert not (tmp_path / "new").exists()
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / WEIGHTS).write_bytes(b"the weights written before")
+    result = zero_to_fp32(run, str(kept), file_size_limit=4096)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip() == f"fathom: error: {kept / WEIGHTS}: File too large"
+    assert [p.name for p in kept.iterdir()] == [WEIGHTS]
+    assert (kept / WEIGHTS).read_bytes() == b"the weights written before"

@@ -26,9 +26,9 @@ import sentencepiece as spm
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
-from sacrebleu.metrics import BLEU
 from torch import nn
 
+from fathom.common.bleu import bleu_metric
 from fathom.common.files import write_atomic
 from fathom.corpus.batches import ParallelCorpus, length_batches, with_eos
 from fathom.corpus.dataset import BinarizedCorpus
@@ -154,6 +154,7 @@ class BleuSet:
     sources: list[torch.Tensor]
     references: list[str]
     detokenize: Callable[[list[int]], str]
+    lang: str | None  # the target language, which sacreBLEU's tokenizer follows (None: the synthetic task)
 
 
 def bleu_set(corpus: ParallelCorpus, sentences: int) -> BleuSet:
@@ -164,9 +165,9 @@ def bleu_set(corpus: ParallelCorpus, sentences: int) -> BleuSet:
     if isinstance(corpus, BinarizedCorpus):
         pieces = spm.SentencePieceProcessor(model_file=str(corpus.sentencepiece_model(corpus.tgt)))
         references = read_lines(corpus.references())[:count]
-        return BleuSet(sources, references, lambda ids: corpus.target_text(ids, pieces))
+        return BleuSet(sources, references, lambda ids: corpus.target_text(ids, pieces), corpus.tgt)
     references = [" ".join(map(str, corpus.pair(i)[1].tolist())) for i in range(count)]
-    return BleuSet(sources, references, lambda ids: " ".join(map(str, ids)))
+    return BleuSet(sources, references, lambda ids: " ".join(map(str, ids)), None)
 
 
 def valid_bleu(
@@ -183,7 +184,7 @@ def valid_bleu(
         dist.all_gather_object(shares, mine, group=grid.get_data_parallel_group())
         size = len(shares)
         translations = [data.detokenize(shares[i % size][i // size]) for i in range(len(data.sources))]
-        score += BLEU().corpus_score(translations, [data.references]).score
+        score += bleu_metric(data.lang).corpus_score(translations, [data.references]).score
         if grid.get_data_parallel_rank() == 0:
             output.parent.mkdir(exist_ok=True)
             write_atomic(output, "".join(line + "\n" for line in translations))

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from fathom.common.errors import ConfigError
 from fathom.translation.scoring import print_scores, split_compounds, tokenized, tokenized_bleu
 
 
@@ -71,3 +72,30 @@ def test_scores_print_tokenized_bleu_then_sacrebleus_with_its_signature_last():
     lines = out.getvalue().splitlines()
     assert [line.split(" = ")[0] for line in lines[:3]] == ["tokenized BLEU", "BLEU", "chrF2"]
     assert score(lines[0]) == 100 and lines[-1].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+
+
+def test_chinese_japanese_and_korean_are_scored_as_sacrebleus_command_scores_them():
+    """Scoring used sacreBLEU's 13a tokenizer and Moses, which do not segment CJK: a Chinese hypothesis one
+    character off its reference scored BLEU = 0.00 and tokenized BLEU = 0.00 where `sacrebleu -l en-zh`
+    (tok:zh) gives 81.87."""
+    out = io.StringIO()
+    print_scores(["我喜欢猫咪"], ["我喜欢猫咪了"], "zh", out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("tokenized BLEU = 81.87,"), lines[0]
+    assert lines[0].endswith("[sacreBLEU's zh tokenizer, multi-bleu, zh]"), lines[0]
+    assert lines[1].startswith("BLEU = 81.87 ") and "tok:zh" in lines[-1]
+    out = io.StringIO()
+    print_scores(["Der Hund rennt."], ["Der Hund rennt."], "de", out)
+    assert "tok:13a" in out.getvalue().splitlines()[-1]
+
+
+def test_a_tokenizer_whose_extra_is_missing_is_one_line_naming_it(monkeypatch):
+    from fathom.common import bleu
+
+    def without_mecab(tokenize: str, **options):
+        raise RuntimeError("Japanese tokenization requires extra dependencies")  # what sacreBLEU raises
+
+    monkeypatch.setattr(bleu, "BLEU", without_mecab)
+    with pytest.raises(ConfigError, match=r"^BLEU for ja: sacreBLEU tokenizes it with ja-mecab, which needs "
+                                          r"sacrebleu\[ja\]: pip install 'sacrebleu\[ja\]'$"):  # fmt: skip
+        bleu.bleu_metric("ja")

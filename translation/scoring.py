@@ -1,6 +1,7 @@
 """How translations are scored, both ways the papers score them, from the same hypotheses and references:
 
-- sacreBLEU's BLEU and chrF on detokenized text, cased, 13a, with sacreBLEU's signature (Post, 2018);
+- sacreBLEU's BLEU and chrF on detokenized text, cased, tokenized as sacreBLEU's command does for the
+  target language (13a; zh, ja-mecab, ko-mecab: common/bleu.py), with sacreBLEU's signature (Post, 2018);
 - tokenized BLEU, as the WMT depth papers report it (BranchNorm, DeepNet, Very Deep Transformers, all
   trained with fairseq): BLEU of multi-bleu.perl (cased, 4-grams, one reference, no smoothing) on text
   tokenized as fairseq's prepare-wmt14en2de.sh and prepare-wmt14en2fr.sh tokenize the test set (curly
@@ -17,6 +18,8 @@ from typing import TextIO
 
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
+
+from fathom.common.bleu import TOKENIZERS, bleu_metric, bleu_tokenizer
 
 COMPOUND = re.compile(r"(\S)-(\S)")
 # The target languages whose tokenized BLEU splits compounds: the papers' WMT En-De
@@ -42,12 +45,17 @@ def tokenized(lines: list[str], lang: str) -> list[str]:
 
 def tokenized_bleu(hypotheses: list[str], references: list[str], lang: str) -> str:
     """multi-bleu.perl's line for detokenized `hypotheses` against `references` in language `lang`, with
-    what was done to the text before it was scored."""
-    score = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
-        tokenized(hypotheses, lang), [tokenized(references, lang)]
-    )
+    what was done to the text before it was scored. Moses does not segment Chinese, Japanese or Korean:
+    those are tokenized as sacreBLEU tokenizes them (common/bleu.py)."""
+    if lang in TOKENIZERS:
+        score = bleu_metric(lang, smooth_method="none").corpus_score(hypotheses, [references])
+        how = f"sacreBLEU's {bleu_tokenizer(lang)} tokenizer, multi-bleu"
+    else:
+        score = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
+            tokenized(hypotheses, lang), [tokenized(references, lang)]
+        )
+        how = "moses tokenizer -a" + (", compounds split" if lang in SPLIT_COMPOUNDS else "") + ", multi-bleu"
     p1, p2, p3, p4 = score.precisions
-    how = "moses tokenizer -a" + (", compounds split" if lang in SPLIT_COMPOUNDS else "") + ", multi-bleu"
     return (
         f"tokenized BLEU = {score.score:.2f}, {p1:.1f}/{p2:.1f}/{p3:.1f}/{p4:.1f} (BP={score.bp:.3f}, "
         f"ratio={score.sys_len / max(score.ref_len, 1):.3f}, hyp_len={score.sys_len}, ref_len={score.ref_len}) "
@@ -58,7 +66,7 @@ def tokenized_bleu(hypotheses: list[str], references: list[str], lang: str) -> s
 def print_scores(hypotheses: list[str], references: list[str], lang: str, file: TextIO) -> None:
     """The tokenized BLEU, then sacreBLEU's BLEU and chrF, its signature last."""
     print(tokenized_bleu(hypotheses, references, lang), file=file)
-    bleu, chrf = BLEU(), CHRF()
+    bleu, chrf = bleu_metric(lang), CHRF()
     for line in (bleu.corpus_score(hypotheses, [references]), chrf.corpus_score(hypotheses, [references])):
         print(line, file=file)
     print(bleu.get_signature(), file=file)

@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fathom.common.bleu import bleu_metric
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError
 from fathom.common.outputs import check_makeable
@@ -72,6 +73,8 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     admin_profile.check(cfg.model)
     check_fits(corpus, cfg)
     cfg = resolve_checkpointing(cfg, corpus, world_size)  # "auto": an interval, for pairs known to fit
+    if cfg.train.valid_bleu is not None:  # its tokenizer's extra is there, rather than refused at step N
+        bleu_metric(getattr(corpus, "tgt", None))
     if cfg.train.valid_interval > 0:
         valid = build_corpus(cfg, "valid", checksums)
         if len(valid) == 0:

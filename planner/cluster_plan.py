@@ -51,12 +51,14 @@ from fathom.pipeline.parts.stage_memory import (
 )
 from fathom.pipeline.reports.memory import GiB
 from fathom.planner.cluster import Cluster, cluster_of, crossings
-from fathom.planner.estimate import fill_vocab_and_length, report
-from fathom.planner.layer_times import LayerTime, device_name, time_layers
+from fathom.planner.estimate import check_length, fill_vocab_and_length, report
+from fathom.planner.layer_times import LayerTime, device_name, time_layers_here
 
 # DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
 # on): one buffer of TENSOR_META_SIZE int32 (deepspeed/runtime/pipe/engine.py).
 META_BYTES = 256 * 4
+# the batch check's keys (pipeline/config/deepspeed_values.py), with which its refusals start
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 MiB = 2**20
 
 
@@ -281,6 +283,25 @@ def choose(plans: list[tuple[Split, SplitPlan | str]], memory: int) -> SplitPlan
     return min(fitting, key=lambda plan: (plan.step_seconds or plan.critical_path, plan.split.stages), default=None)
 
 
+def no_plan_error(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster) -> ConfigError:
+    """Why no split is the plan: none fits the memory, or a launch's config check refuses them (most often
+    its batch sizes, which not every replica count divides), which no memory would change."""
+    refused = [(split, plan) for split, plan in plans if isinstance(plan, str)]
+    fix = "add GPUs, or lower data.max_tokens (or --sentences)"
+    if not refused:
+        return ConfigError(
+            f"no split of {cluster.gpus} GPUs holds this run in {cluster.memory / GiB:.2f} GiB each; {fix}"
+        )
+    (split, reason), gpus = refused[0], f"{cluster.gpus} GPUs"
+    check = "the batch check" if all(plan.startswith(BATCH_KEYS) for _, plan in refused) else "the config check"
+    example = f"e.g. {split.stages} x {split.replicas}: {reason}"
+    if len(refused) == len(plans):
+        return ConfigError(f"{check} refuses every split of {gpus}, as a launch on it would ({example}); change that, "
+                           "or plan for another GPU count")  # fmt: skip
+    return ConfigError(f"no split of {gpus} runs this: {check} refuses {len(refused)} of the {len(plans)} ({example}), "
+                       f"and the others need more than {cluster.memory / GiB:.2f} GiB; {fix}")  # fmt: skip
+
+
 def chosen_split(
     plans: list[tuple[Split, SplitPlan | str]], stages: int, checkpointing: int, cluster: Cluster
 ) -> SplitPlan:
@@ -330,7 +351,8 @@ def planned_config(
     config: str, overrides: list[str], vocab_size: int | None, length: int | None
 ) -> tuple[RunConfig, int]:
     """The run's config and its longest padded pair. With `vocab_size` the data is not read: it may not be
-    prepared yet, and the length is then prepare_data.py's longest (its --max-len, and eos) unless given."""
+    prepared yet, and the length is then prepare_data.py's longest (its --max-len, and eos) unless given,
+    or model.max_positions where that is less (a run refuses longer pairs)."""
     if vocab_size is None:
         try:
             cfg = load_config(config, overrides, world_size=None)
@@ -339,7 +361,9 @@ def planned_config(
         return cfg, fill_vocab_and_length(cfg, length)
     vocab = [f"model.src_vocab_size={vocab_size}", f"model.tgt_vocab_size={vocab_size}"]
     cfg = load_config(config, [*overrides, "data.path=null", *vocab], world_size=None)
-    return cfg, length or FilterSettings().max_len + 1
+    if length is not None:
+        return cfg, check_length(cfg, length, given=True)
+    return cfg, min(FilterSettings().max_len + 1, cfg.model.max_positions)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -351,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg, length = planned_config(args.config, args.override, args.vocab_size, args.length)
         shape = micro_batch_shape(cfg, args.sentences, length)
         traces = trace_layers(cfg, shape.length)
-        times = time_layers(cfg, shape.sentences, shape.length) if args.time_layers else None
+        times = time_layers_here(cfg, traces, shape.sentences, shape.length) if args.time_layers else None
         plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory))
                  for split in splits(cfg, cluster.gpus)]  # fmt: skip
         best = choose(plans, cluster.memory)
@@ -363,10 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(split_table(plans, cluster, best))
         if best is None:
-            raise ConfigError(
-                f"no split of {cluster.gpus} GPUs holds this run in {cluster.memory / GiB:.2f} GiB each; "
-                "add GPUs, or lower data.max_tokens (or --sentences)"
-            )
+            raise no_plan_error(plans, cluster)
         checkpointing = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
         shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
         print()

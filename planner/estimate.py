@@ -82,16 +82,34 @@ def smallest_stage_count(
     return high
 
 
+def check_length(cfg: RunConfig, length: int, given: bool) -> int:
+    """`length`, refused past model.max_positions: a run refuses any longer pair (pipeline/launch/checks.py),
+    and a learned position table has no row for one. `given`: --length named it, else the data did."""
+    most = cfg.model.max_positions
+    if length > most and given:
+        raise ConfigError(
+            f"--length {length}: beyond model.max_positions {most}, the longest pair a run takes; give --length "
+            f"{most} or less, or raise model.max_positions"
+        )
+    if length > most:
+        raise ConfigError(
+            f"model.max_positions: {most} is below the data's longest pair ({length} tokens), which a run "
+            "refuses; raise it, or prepare the data with a smaller --max-len"
+        )
+    return length
+
+
 def fill_vocab_and_length(cfg: RunConfig, length: int | None) -> int:
     """Fills the vocabulary sizes the config leaves out from the data's dictionaries, and returns
-    `length`, else the data's longest pair (with eos); reads the data only if one of them is missing."""
+    `length`, else the data's longest pair (with eos); reads the data only if one of them is missing.
+    Either is refused past model.max_positions."""
     vocab_missing = cfg.model.src_vocab_size is None or cfg.model.tgt_vocab_size is None
     if length is not None and not vocab_missing:
-        return length
+        return check_length(cfg, length, given=True)
     corpus = build_corpus(cfg)
     if vocab_missing:
         cfg.model = with_vocab(cfg.model, corpus)
-    return length or int(corpus.lengths().max())
+    return check_length(cfg, length or int(corpus.lengths().max()), given=length is not None)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                       "--length": args.length})  # fmt: skip
         overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages is not None else [])]
         cfg = load_config(args.config, overrides, world_size=None)
-        memory = parse_size(args.gpu_memory) if args.gpu_memory else None
+        memory = parse_size(args.gpu_memory) if args.gpu_memory is not None else None
         shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
         if requested_interval(cfg) == AUTO_INTERVAL:

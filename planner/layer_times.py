@@ -4,7 +4,6 @@ backward on one micro-batch of the run's shape, in the run's precision. The clus
 
 from __future__ import annotations
 
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -14,10 +13,13 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from fathom.common.errors import ConfigError
+from fathom.common.machine import available_memory, cpu_name
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.pipeline.config.run_config import RunConfig
-from fathom.pipeline.parts.activation_trace import each_distinct_layer, sample_tokens
+from fathom.pipeline.parts.activation_trace import LayerTrace, each_distinct_layer, sample_tokens
 from fathom.pipeline.parts.stage_modules import PipePart
+from fathom.pipeline.reports.memory import GiB
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     threads = torch.get_num_threads()
-    return f"CPU {platform.processor() or platform.machine()}, {threads} thread{'s' if threads > 1 else ''}"
+    return f"CPU {cpu_name()}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def _timed(run: Callable[[], object], device: torch.device) -> tuple[float, object]:
@@ -85,3 +87,45 @@ def time_layers(cfg: RunConfig, sentences: int, length: int, repeats: int = 3) -
                                 device, repeats)  # fmt: skip
     last = times[-1]
     return [*times[:-1], LayerTime(last.forward + loss.forward, last.backward + loss.backward)]
+
+
+def _free_memory(device: torch.device) -> int | None:
+    """Bytes the timing may still allocate on `device`, None where that cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    # a CUDA allocator's failure is torch.OutOfMemoryError; the CPU's, a RuntimeError of this wording
+    return isinstance(err, torch.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(err)
+
+
+def time_layers_here(
+    cfg: RunConfig, traces: tuple[list[LayerTrace], int], sentences: int, length: int
+) -> list[LayerTime]:
+    """time_layers(), or one line where the micro-batch does not fit this machine's device: refused before
+    timing where even one layer's activations for backward (the memory planner's traces, times the
+    sentences) exceed the free memory, since on a CPU the kernel may kill this process (or another's) for
+    it rather than fail an allocation; else when an allocation fails."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layers, loss_saved = traces
+    least = sentences * max(loss_saved, *(layer.saved for layer in layers))
+    free = _free_memory(device)
+    memory = f"this machine's {'GPU' if device.type == 'cuda' else 'CPU'} memory"
+    shape = f"--time-layers: a micro-batch of {sentences} x {length} tokens"
+    fix = (
+        "time a smaller micro-batch (lower --sentences or --length), or run --time-layers on one of the cluster's GPUs"
+    )
+    if free is not None and least > free:
+        raise ConfigError(
+            f"{shape} needs at least {least / GiB:.2f} GiB for one layer's backward, over the {free / GiB:.2f} GiB "
+            f"free in {memory}; {fix}"
+        )
+    try:
+        return time_layers(cfg, sentences, length)
+    except (RuntimeError, MemoryError) as err:
+        if not _out_of_memory(err):
+            raise
+        free_before = f" ({free / GiB:.2f} GiB were free)" if free is not None else ""
+        raise ConfigError(f"{shape} does not fit in {memory}{free_before}; {fix}") from None

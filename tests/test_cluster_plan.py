@@ -2,14 +2,18 @@
 and 2-, 3- and 4-stage runs, and the plan a user gets for a paper's recipe."""
 
 import json
+import platform
 
 import pytest
+import torch
 from deepspeed.runtime.pipe import schedule
 
+from fathom.common.machine import available_memory, cpu_name
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.parts.activation_trace import trace_layers
 from fathom.pipeline.parts.stage_memory import MicroBatchShape
 from fathom.pipeline.reports.memory import GiB
+from fathom.planner import layer_times
 from fathom.planner.cluster import Cluster, crossings
 from fathom.planner.cluster_plan import Split, main, plan_split
 from fathom.planner.estimate import fill_vocab_and_length
@@ -175,3 +179,121 @@ def test_a_plan_that_cannot_be_is_one_line(capsys, args, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """The one line `fathom-plan-cluster ARGV` ends with, exit status 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("fathom: error: "), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ("1.2.3GB", "--gpu-memory '1.2.3GB': expected a size like 80GB"),  # each a ValueError traceback once
+        ("80..GB", "--gpu-memory '80..GB': expected a size like 80GB"),
+        (".", "--gpu-memory '.': expected a size like 80GB"),
+        ("0GB", "--gpu-memory: '0GB' is no memory"),  # was planned: "no split holds this run in 0.00 GiB"
+        ("0.0000000001GB", "--gpu-memory: '0.0000000001GB' is no memory"),  # under a byte
+        ("9" * 400, "not a size any machine has"),  # float() gives inf: an OverflowError traceback
+    ],
+)
+def test_a_gpu_memory_that_is_no_size_is_one_line(capsys, size, message):
+    err = refused(capsys, ["--config", RECIPE, "--gpus", "8", "--gpu-memory", size, "--vocab-size", "40008"])
+    assert message in err
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "latin-1"])
+def test_a_hostfile_that_is_not_utf8_is_one_line(tmp_path, capsys, encoding):
+    """UTF-16 (as a Windows editor may save it) was a UnicodeDecodeError traceback; without a byte-order mark
+    it decodes as UTF-8 with a NUL beside every character."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# nodes à Orsay\nnode-a slots=4\nnode-b slots=4\n", encoding=encoding)
+    err = refused(capsys, ["--config", RECIPE, "--hostfile", str(hostfile), "--gpu-memory", "80GB",
+                           "--vocab-size", "40008"])  # fmt: skip
+    assert f"--hostfile {hostfile}: not UTF-8 text" in err and "save it as UTF-8" in err
+    assert ("as in UTF-16" in err) == encoding.startswith("utf-16")
+
+
+@pytest.mark.parametrize("learned", ["true", "false"])
+def test_a_length_past_max_positions_is_one_line(capsys, learned):
+    """Learned positions: an IndexError traceback (the table has no row for it); sinusoids: a plan for pairs a
+    run refuses."""
+    small = [f"model.learned_pos={learned}", "model.max_positions=64", "model.encoder_layers=2",
+             "model.decoder_layers=2"]  # fmt: skip
+    plan = ["--config", str(DEFAULT), "--gpus", "2", "--gpu-memory", "8GB", "--vocab-size", "100"]
+    err = refused(capsys, [*plan, "--length", "65", "--override", *small])
+    assert "--length 65: beyond model.max_positions 64" in err and "give --length 64 or less" in err
+    # without --length: prepare_data's longest pair (257 tokens, which the run would refuse) became 64
+    main([*plan, "--override", *small])
+    assert "micro-batches of at most 8 x 64 tokens" in capsys.readouterr().out
+    # from the data: the synthetic task's longest pair is 7 tokens
+    err = refused(capsys, [*plan[:6], "--override", *small, "model.max_positions=5"])
+    assert "model.max_positions: 5 is below the data's longest pair (7 tokens)" in err
+
+
+def test_the_batch_check_refusing_every_split_is_said_so(capsys):
+    """train_batch_size 32 = 8 x 4 micro-batches leaves no room for replicas, and 16 GPUs on at most 4 stages
+    (2L-2L) need 4 or more of them: the message spoke of memory, which no GPU size would change."""
+    err = refused(capsys, ["--config", str(DEFAULT), "--gpus", "16", "--gpu-memory", "80GB", "--override",
+                           "model.encoder_layers=2", "model.decoder_layers=2"])  # fmt: skip
+    assert (
+        "the batch check refuses every split of 16 GPUs, as a launch on it would (e.g. 1 x 16: train_batch_size: "
+        "32 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 4 x 16 data-parallel ranks" in err
+    )
+    assert "memory" not in err and "GiB" not in err
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 439804651110 bytes. Error "
+                     "code 12 (Cannot allocate memory)"),  # what torch's CPU allocator raises
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 310.00 GiB."),
+    ],
+)  # fmt: skip
+def test_layers_too_large_to_time_here_are_one_line(capsys, monkeypatch, error):
+    """An allocation that fails while timing was a RuntimeError traceback."""
+
+    def out_of_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(layer_times, "time_layers", out_of_memory)
+    err = refused(capsys, ["--config", str(DEFAULT), "--gpus", "2", "--gpu-memory", "8GB", "--time-layers"])
+    assert "--time-layers: a micro-batch of 8 x 7 tokens does not fit in this machine's CPU memory" in err
+    assert "lower --sentences or --length), or run --time-layers on one of the cluster's GPUs" in err
+
+
+def test_layers_whose_activations_exceed_the_free_memory_are_refused_before_timing(capsys, monkeypatch):
+    """On a CPU the kernel may kill the process (or another's) instead of failing an allocation: a shape whose
+    one layer's activations for backward alone exceed the free memory is refused before any is timed."""
+    monkeypatch.setattr(layer_times, "available_memory", lambda: 2**20)
+    monkeypatch.setattr(layer_times, "time_layers", lambda *args: pytest.fail("timed"))
+    err = refused(capsys, ["--config", str(DEFAULT), "--gpus", "2", "--gpu-memory", "8GB", "--time-layers",
+                           "--sentences", "4096"])  # fmt: skip
+    assert "--time-layers: a micro-batch of 4096 x 7 tokens needs at least" in err
+    assert "GiB for one layer's backward, over the 0.00 GiB free in this machine's CPU memory; time a smaller" in err
+
+
+def test_the_device_named_starts_no_process(monkeypatch):
+    """platform.processor() runs `uname -p` once per process: the fast tier refuses it (tests/conftest.py),
+    so test_a_step_time_from_layers_timed_here failed alone and passed after a test that had cached it."""
+    monkeypatch.setattr(platform, "_uname_cache", None)  # as in a fresh process
+    monkeypatch.setattr(layer_times.torch.cuda, "is_available", lambda: False)
+    assert layer_times.device_name().startswith(f"CPU {cpu_name()}, ")
+
+
+def test_the_cpu_and_its_free_memory_are_read_from_proc(tmp_path):
+    """common/machine.py: the model name, else the architecture (an ARM's /proc/cpuinfo names no model);
+    MemAvailable in bytes, None where there is no such file."""
+    cpuinfo, meminfo = tmp_path / "cpuinfo", tmp_path / "meminfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2\n")
+    assert cpu_name(cpuinfo) == "AMD EPYC 7B13"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\n")
+    assert cpu_name(cpuinfo) == platform.machine()
+    meminfo.write_text("MemTotal:       24683652 kB\nMemFree:        20981844 kB\nMemAvailable:   23509624 kB\n")
+    assert available_memory(meminfo) == 23509624 * 1024
+    assert available_memory(tmp_path / "absent") is None

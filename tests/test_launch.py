@@ -344,3 +344,15 @@ def test_a_process_started_alone_is_a_world_of_one(tmp_path):
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert alone.returncode == 0 and "Traceback" not in alone.stderr, alone.stderr[-3000:]
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "latin-1"])
+def test_a_hostfile_that_is_not_utf8_is_one_line(tmp_path, capsys, config, execs, encoding):
+    """UTF-16 (as a Windows editor may save it) was a UnicodeDecodeError traceback, and the runner too stops on
+    it; without a byte-order mark it decodes as UTF-8 with a NUL beside every character."""
+    path = tmp_path / "hostfile"
+    path.write_text("# nodes à Orsay\nworker-0 slots=1\nworker-1 slots=1\n", encoding=encoding)
+    err = fail(capsys, ["--hostfile", str(path), "scripts/train.py", "--config", str(config)])
+    assert f"--hostfile {path}: not UTF-8 text" in err and "save it as UTF-8 or plain ASCII" in err
+    assert ("as in UTF-16" in err) == encoding.startswith("utf-16")
+    assert not execs

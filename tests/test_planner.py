@@ -171,3 +171,45 @@ def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
         predicted = estimates[rank["stage"]].peak
         actual = rank["peak"] - rank["baseline"]
         assert abs(predicted - actual) / actual <= 0.15, (rank, predicted)
+
+
+def plan_refused(capsys, *argv: str) -> str:
+    """The one line `fathom-plan --config default ARGV` ends with, exit status 2, nothing printed."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(ROOT / "ds_configs" / "default.json"), *argv])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpu-memory", "1.2.3GB"], "--gpu-memory '1.2.3GB': expected a size like 80GB"),  # each a ValueError once
+        (["--gpu-memory", "80..GB"], "--gpu-memory '80..GB': expected a size like 80GB"),
+        (["--gpu-memory", "."], "--gpu-memory '.': expected a size like 80GB"),
+        (["--gpu-memory", ""], "--gpu-memory '': expected a size like 80GB"),  # was taken as no --gpu-memory
+        (["--gpu-memory", "0GB"], "--gpu-memory: '0GB' is no memory"),  # was planned: "does not fit in 0.00 GiB"
+        (["--gpu-memory", "0.0000000001GB"], "--gpu-memory: '0.0000000001GB' is no memory"),
+        (["--gpu-memory", "9" * 400], "not a size any machine has"),  # float() gives inf: an OverflowError
+        (["--override", 'pipeline.activation_checkpoint_interval="auto"', f"train.memory_budget={'9' * 400}GB"],
+         "train.memory_budget '999"),  # the same parser, the same OverflowError
+        (["--override", 'pipeline.activation_checkpoint_interval="auto"', "train.memory_budget=.GB"],
+         "train.memory_budget '.GB': expected a size like 80GB"),
+    ],
+)  # fmt: skip
+def test_a_memory_that_is_no_size_is_one_line(capsys, argv, message):
+    assert message in plan_refused(capsys, *argv)
+
+
+@pytest.mark.parametrize("learned", ["true", "false"])
+def test_a_length_past_max_positions_is_one_line(capsys, learned):
+    """Learned positions: an IndexError traceback (the table has no row for it); sinusoids: an estimate for
+    pairs a run refuses (pipeline/launch/checks.py)."""
+    positions = [f"model.learned_pos={learned}", "model.max_positions=64"]
+    err = plan_refused(capsys, "--length", "65", "--override", *positions)
+    assert "--length 65: beyond model.max_positions 64, the longest pair a run takes; give --length 64 or less" in err
+    err = plan_refused(capsys, "--override", positions[0], "model.max_positions=5")  # the data's longest: 7 tokens
+    assert "model.max_positions: 5 is below the data's longest pair (7 tokens), which a run refuses" in err
+    main(["--config", str(ROOT / "ds_configs" / "default.json"), "--length", "64", "--override", *positions])
+    assert "micro-batch 8 x 64 tokens" in capsys.readouterr().out  # up to max_positions itself

@@ -39,13 +39,28 @@ WHOLE_HOSTFILE_LAUNCHERS = ("openmpi", "mpich", "impi", "mvapich")
 def read_hostfile(path: str) -> OrderedDict[str, int]:
     """HOST slots=N per line, # comments and blank lines skipped; hosts in file order, as the runner ranks them."""
     try:
-        lines = Path(path).read_text().splitlines()
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise ConfigError(
             f"--hostfile {path}: no such file; fix the path (deepspeed would silently run on this machine only)"
         ) from None
     except OSError as err:
         raise ConfigError(f"--hostfile {path}: cannot read it ({err.strerror})") from None
+    # UTF-8 whatever the locale's encoding (host names are ASCII, which all of them read alike). UTF-16,
+    # as some Windows editors save, is refused: with a byte-order mark it is no UTF-8, without one it
+    # decodes as UTF-8 with a NUL beside every character, and either way no line would be 'HOST slots=N'.
+    nul = data.find(b"\0")
+    try:
+        lines = data.decode("utf-8").splitlines()
+        bad = nul  # the first byte that is no text, -1 if none
+    except UnicodeDecodeError as err:
+        bad = err.start if nul < 0 else min(nul, err.start)
+    if bad >= 0:
+        utf16 = ", as in UTF-16" if data[bad] == 0 or data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(
+            f"--hostfile {path}: not UTF-8 text (byte {bad} is {data[bad]:#04x}{utf16}); "
+            "save it as UTF-8 or plain ASCII, one 'HOST slots=N' line per machine"
+        )
     hosts: OrderedDict[str, int] = OrderedDict()
     first_line: dict[str, int] = {}
     for number, line in enumerate(lines, 1):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -172,10 +173,16 @@ def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> Mic
 
 
 def parse_size(text: str, name: str = "--gpu-memory") -> int:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB. `name`: the flag or key
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB. At least a byte: a GPU or
+    budget of no memory fits nothing, and would only fail later as "nothing fits". `name`: the flag or key
     that gave it, for the error."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(GB|GiB|MB|MiB)?\s*", text, re.IGNORECASE)
     if not match:
         raise ConfigError(f"{name} {text!r}: expected a size like 80GB or 40GiB")
     units = {"gb": GB, "gib": GiB, "mb": 10**6, "mib": 2**20}
-    return int(float(match[1]) * units[(match[2] or "GB").lower()])
+    size = float(match[1]) * units[(match[2] or "GB").lower()]
+    if not math.isfinite(size):  # hundreds of digits: float() gives inf, which int() cannot take
+        raise ConfigError(f"{name} {text!r}: not a size any machine has; give one like 80GB or 40GiB")
+    if int(size) < 1:
+        raise ConfigError(f"{name}: {text!r} is no memory, in which nothing fits; give a size like 80GB or 40GiB")
+    return int(size)

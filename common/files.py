@@ -8,11 +8,12 @@ import fcntl
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import torch
 
@@ -90,21 +91,35 @@ def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) ->
         os.fsync(f.fileno())
 
 
+def try_lock(path: Path) -> IO[str] | None:
+    """The open lock file, locked exclusively, or None when another process holds it (the kernel releases
+    it however the holder ends)."""
+    handle = open(path, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    except OSError as err:  # a filesystem without locks (some NFS mounts): go unguarded rather than not at all
+        print(f"fathom: warning: {path}: cannot lock ({err.strerror}); no other process is kept out", file=sys.stderr)
+    return handle
+
+
+def lock_holder(path: Path) -> str:
+    """What the process holding the lock file wrote into it (e.g. `pid 123 on host`)."""
+    return path.read_text().strip() or "another process"
+
+
 @contextmanager
 def writing_lock(out: Path) -> Iterator[None]:
     """Holds `.OUT.lock` beside `out` while a command writes it: a second command writing the same output
     at the same time is refused in one line. Checking that `out` does not exist yet is not enough: both
-    check before either has written it (the kernel releases the lock however the holder ends)."""
+    check before either has written it."""
     lock = out.with_name(f".{out.name}.lock")
-    handle = open(lock, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ConfigError(f"{out}: another command is writing it now ({holder}); wait for it to end, or "
-                          "choose another output") from None  # fmt: skip
+    handle = try_lock(lock)
+    if handle is None:
+        raise ConfigError(f"{out}: another command is writing it now ({lock_holder(lock)}); wait for it to end, "
+                          "or choose another output")  # fmt: skip
     try:
         handle.truncate(0)
         handle.write(f"pid {os.getpid()}\n")

@@ -302,6 +302,10 @@ def run(
     def state() -> dict[str, Any]:
         return client_state(best.state(), offset, position_record(position.at(engine.global_steps), per_epoch, order))
 
+    def save(as_best: bool, why: str = "") -> None:
+        watchdog.progress(f"checkpoint save after step {engine.global_steps}{why}")
+        saving.save(engine, save_dir, state(), best=as_best, schedule_step=updates(engine, offset))
+
     metrics = MetricsLog(save_dir / METRICS_FILE, rank == 0, engine.global_steps, monitor=engine.monitor)
     interval = cfg.train.grad_norm_interval
     grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
@@ -343,16 +347,13 @@ def run(
             if rank == 0:
                 print(validation_line(record, best), flush=True)
             if improved:
-                watchdog.progress(f"checkpoint save after step {done}")
-                saving.save(engine, save_dir, state(), best=True, schedule_step=updates(engine, offset))
+                save(as_best=True)
         saved = done % cfg.train.save_interval == 0 or done == last
         if saved:
-            watchdog.progress(f"checkpoint save after step {done}")
-            saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+            save(as_best=False)
         if done < last and (reason := stopper.agreed(engine.device)):
-            if not saved:
-                watchdog.progress(f"checkpoint save after step {done}, to stop")
-                saving.save(engine, save_dir, state(), best=False, schedule_step=updates(engine, offset))
+            if not saved:  # a signal during the step's own save is answered here, by that save
+                save(as_best=False, why=", to stop")
             stopper.saved()
             return Stop(reason, done, latest_tag(save_dir))
     if breakdown and rank == 0:

@@ -3,16 +3,8 @@
     python scripts/estimate_memory.py --config FILE [--override k=v ...] [--stages S]
         [--data-parallel D] [--sentences N --length L] [--gpu-memory 80GB]
 
-    model states   parameters and gradients (replicated), optimizer state (ZeRO-1: sharded over
-                   the data-parallel ranks), bytes per parameter as DeepSpeed allocates them
-    activations    what backward needs from every micro-batch in flight on the stage (1F1B keeps
-                   min(stages - stage, micro-batches) of them); with activation checkpointing only
-                   each checkpointed layer's input, plus one layer recomputed at a time
-    transients     the all-reduce's flattened gradients and Adam's temporaries at the step
-
-Activation bytes are not a formula: one layer of each kind runs forward on one sentence under
-saved-tensor hooks, which record exactly what autograd keeps (whatever the norm scheme, attention
-kernel and precision), and that scales with the sentences of a micro-batch.
+Per stage: model states, activations and the step's transients, as pipeline/parts/stage_memory.py models
+them (its docstring says what each counts and how activations are traced).
 
 A config's pipeline.activation_checkpoint_interval "auto" is the interval a launch would choose
 (pipeline/parts/auto_checkpointing.py) to fit train.memory_budget, else --gpu-memory.

@@ -13,7 +13,6 @@ cancellations meet the other's, and leave no owner to stop it."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import re
@@ -30,6 +29,7 @@ from typing import NoReturn
 
 import pytest
 
+from fathom.pipeline.launch.supervise import die_with_parent  # so a daemon never outlives a killed worker
 from tests.helpers import free_port
 
 REQUIRE = "FATHOM_REQUIRE_DAEMONS"
@@ -63,12 +63,6 @@ def tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return f"({path.name}: none)"
-
-
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM once the process that started it ends, so a daemon never outlives a killed
-    pytest worker."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def start(command: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

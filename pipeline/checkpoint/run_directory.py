@@ -12,33 +12,19 @@ divergence).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import socket
-import sys
 from pathlib import Path
 from typing import IO
 
 from fathom.common.errors import ConfigError
+from fathom.common.files import lock_holder, try_lock
 from fathom.common.run_layout import LOCK_FILE, METRICS_FILE, has_checkpoints, reserved_name
 
 
-def _try_lock(path: Path) -> IO[str] | None:
-    """The open lock file, locked, or None when another process holds it."""
-    handle = open(path, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        return None
-    except OSError as err:  # a filesystem without locks (some NFS mounts): run unguarded rather than not at all
-        print(f"fathom: warning: {path}: cannot lock ({err.strerror}); no other run is kept out", file=sys.stderr)
-    return handle
-
-
 def _in_use(save_dir: Path) -> ConfigError:
-    holder = (save_dir / LOCK_FILE).read_text().strip() or "another process"
+    holder = lock_holder(save_dir / LOCK_FILE)
     return ConfigError(
         f"train.save_dir: {save_dir} is in use by a running job ({holder}); wait for it to end or choose another"
     )
@@ -48,7 +34,7 @@ def check_not_in_use(save_dir: Path) -> None:
     """Before launch: refuses a save_dir another run is training in."""
     if not (save_dir / LOCK_FILE).is_file():
         return
-    handle = _try_lock(save_dir / LOCK_FILE)
+    handle = try_lock(save_dir / LOCK_FILE)
     if handle is None:
         raise _in_use(save_dir)
     handle.close()
@@ -77,7 +63,7 @@ class RunDirectory:
         missing = [p for p in (absolute, *absolute.parents) if not p.exists()]
         self.made = missing or ([] if any(absolute.iterdir()) else [absolute])
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = _try_lock(self.path / LOCK_FILE)
+        self._lock = try_lock(self.path / LOCK_FILE)
         if self._lock is None:  # another run took it between our check and now
             self.made = []
             raise _in_use(self.path)

@@ -28,7 +28,7 @@ from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig
 from fathom.pipeline.launch.deepspeed_op import DEFAULT_TIMEOUT, prepare_cpu_op
-from fathom.pipeline.launch.rendezvous import env_launched, join
+from fathom.pipeline.launch.rendezvous import env_launched, join, port_in_use
 from fathom.pipeline.safety.watchdog import backend_timeout
 
 # deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
@@ -180,9 +180,7 @@ def init_distributed(
     except dist.DistNetworkError as err:  # raised on rank 0, which listens on the port
         if "EADDRINUSE" not in str(err):
             raise
-        raise ConfigError(
-            f"port {master_port()} is in use on this machine (another run?); pass the launcher --master_port N"
-        ) from None
+        raise port_in_use(master_port()) from None
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads())
         release_shm_buffer()

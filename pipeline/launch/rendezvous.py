@@ -90,9 +90,7 @@ def join(backend: str, startup_timeout: float, timeout: timedelta) -> None:
             store.wait([ALL_JOINED])
     except dist.DistNetworkError as err:
         if "EADDRINUSE" in str(err):
-            raise ConfigError(
-                f"port {port} is in use on this machine (another run?); pass the launcher --master_port N"
-            ) from None
+            raise port_in_use(port) from None
         raise ConfigError(_not_met(rank, address, port, startup_timeout)) from None
     except dist.DistError:  # the store's wait timed out, or rank 0 ended it
         raise ConfigError(_not_met(rank, address, port, startup_timeout)) from None
@@ -101,6 +99,10 @@ def join(backend: str, startup_timeout: float, timeout: timedelta) -> None:
     if backend == "nccl":  # as DeepSpeed's own init binds each rank to its GPU
         options["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **options)
+
+
+def port_in_use(port: int) -> ConfigError:
+    return ConfigError(f"port {port} is in use on this machine (another run?); pass the launcher --master_port N")
 
 
 def _not_met(rank: int, address: str, port: int, startup_timeout: float) -> str:

@@ -17,9 +17,8 @@ from collections.abc import MutableMapping
 
 from fathom.common import ports
 from fathom.common.errors import ConfigError
+from fathom.pipeline.launch.distributed import RANK_VARIABLES  # a launcher's ranks: Slurm's variables are its task's
 
-# What a launcher other than srun sets for its ranks: then Slurm's variables describe that launcher's task.
-LAUNCHER_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
 RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 REPEATED = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
@@ -81,7 +80,7 @@ def adopt_slurm_world(environ: MutableMapping[str, str] = os.environ) -> bool:
     """In a task of an srun step that no other launcher started: exports RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_SIZE, MASTER_ADDR and MASTER_PORT from Slurm's variables. Returns whether it did."""
     step = environ.get("SLURM_STEP_ID", environ.get("SLURM_STEPID"))
-    if step is None or "SLURM_PROCID" not in environ or any(name in environ for name in LAUNCHER_VARIABLES):
+    if step is None or "SLURM_PROCID" not in environ or any(name in environ for name in RANK_VARIABLES):
         return False
     node = int(environ.get("SLURM_NODEID", "0"))
     world = {

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from fathom.common.run_layout import HEARTBEAT_FILE, latest_tag
+from fathom.pipeline.safety.launchers import ended
 from fathom.pipeline.safety.watchdog import read_heartbeat
 
 # What gloo and nccl say when a peer's connection ends.
@@ -33,9 +34,9 @@ def lost_peer(err: BaseException) -> str | None:
 
 
 def alive(pid: int) -> bool:
-    try:  # a killed rank stays a zombie until its launcher reaps it
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+    try:
+        return not ended(psutil.Process(pid))
+    except psutil.Error:  # no such process
         return False
 
 

@@ -1,5 +1,6 @@
 """fathom-zero-to-fp32 (pipeline/checkpoint/consolidated.py), which the zero_to_fp32.py fathom writes into every
-save_dir runs too: where its output_dir may be, and a full disk while it writes."""
+save_dir runs too: the fp32 master weights of a bf16 run, where its output_dir may be, and a full disk while it
+writes."""
 
 import resource
 import subprocess
@@ -9,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from fathom.common.checkpoint_format import load_file
 from fathom.model.model_config import ModelConfig
+from fathom.model.parts import fairseq_key
+from fathom.model.trained import model_config, saved_layers
 from fathom.model.transformer import Transformer
 from fathom.pipeline.checkpoint.consolidated import WEIGHTS, main, write_recovery_scripts
-from tests.helpers import snapshot, write_run
+from fathom.pipeline.checkpoint.masters import pipeline_names
+from fathom.pipeline.checkpoint.reshape import converter_command
+from tests.helpers import ROOT, built_once, launch, snapshot, write_run
 
 
 @pytest.fixture
@@ -109,3 +115,64 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_behind(run, 
     assert result.stderr.strip() == f"fathom: error: {kept / WEIGHTS}: File too large"
     assert [p.name for p in kept.iterdir()] == [WEIGHTS]
     assert (kept / WEIGHTS).read_bytes() == b"the weights written before"
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory) -> Path:
+    """3 bf16 steps at 2 stages x 2 replicas with ZeRO-1, so each stage's fp32 masters are cut between two
+    optimizer files; the encoder and decoder share one table, which both stages keep."""
+
+    def train(run: Path) -> None:
+        args = ["--config", str(ROOT / "ds_configs" / "default.json"), "--override", f"train.save_dir={run}",
+                "bf16.enabled=true", "model.encoder_layers=2", "model.decoder_layers=2",
+                "model.share_all_embeddings=true", "pipeline.stages=2", "gradient_accumulation_steps=2",
+                "train.max_steps=3", "train.save_interval=3"]  # fmt: skip
+        assert launch(ROOT / "scripts" / "train.py", *args, processes=4).returncode == 0
+
+    return built_once(tmp_path_factory, "zero_to_fp32_bf16", train)
+
+
+def deepspeeds_masters(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Each parameter's fp32 master as DeepSpeed's own converter (ds_to_universal) takes it out of the
+    optimizer files, by its name in the pipeline module."""
+    result = subprocess.run(converter_command(checkpoint, out), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {path.parent.name: torch.load(path, weights_only=True)["param"] for path in (out / "zero").glob("*/fp32.pt")}
+
+
+@pytest.mark.slow
+def test_a_bf16_runs_weights_are_the_optimizers_fp32_masters(bf16_run, tmp_path):
+    """fathom-zero-to-fp32 on a bf16 run wrote the bf16 weights of the layer files cast up, labelled fp32 (every
+    value exactly a bf16 one), where the fp32 masters in bf16_zero_pp_rank_*_optim_states.pt differ by up to
+    3e-3. Now it writes those masters, equal to DeepSpeed's own reading of them, and the zero_to_fp32.py in the
+    save_dir writes the same file."""
+    main([str(bf16_run), str(tmp_path / "fp32")])
+    written = torch.load(tmp_path / "fp32" / WEIGHTS, weights_only=True)
+    expected = deepspeeds_masters(bf16_run / "global_step3", tmp_path / "universal")
+    cfg, names = model_config(bf16_run), {}
+    for prefix, part in pipeline_names(cfg).items():
+        names.update(
+            {prefix + key: fairseq_key(part, key) for key in Transformer(cfg).get_submodule(part).state_dict()}
+        )
+    assert expected and set(expected) <= set(names)
+    for name, master in expected.items():
+        assert written[names[name]].dtype == torch.float32
+        assert torch.equal(written[names[name]], master.view_as(written[names[name]])), name
+
+    layers = [
+        load_file(bf16_run / "global_step3" / f"layer_{index:02d}-model_states.pt") for index, _ in saved_layers(cfg)
+    ]
+    assert all(
+        value.dtype == torch.bfloat16 for state in layers for value in state.values() if value.is_floating_point()
+    )
+    rounded = [
+        value
+        for value in written.values()
+        if value.is_floating_point() and torch.equal(value.bfloat16().float(), value)
+    ]
+    assert len(rounded) < len(written) / 2, "most weights are bf16 values: the layer files' weights, not the masters"
+
+    result = zero_to_fp32(bf16_run, str(tmp_path / "by_script"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    again = torch.load(tmp_path / "by_script" / WEIGHTS, weights_only=True)
+    assert set(again) == set(written) and all(torch.equal(again[key], written[key]) for key in written)

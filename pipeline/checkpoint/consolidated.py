@@ -8,6 +8,8 @@ OUTPUT_DIR/pytorch_model.bin gets the whole model's weights as one state dict un
 (encoder.layers.N.self_attn.q_proj.weight, ..., a shared table under each of its names as fairseq saves
 it), loadable with torch.load(..., weights_only=True) and no DeepSpeed. They are the trained model's own,
 BranchNorm's or DeepNorm's scalings unfolded: for a plain fairseq checkpoint, scripts/convert_to_fairseq.py.
+Those of a bf16 or fp16 run are the optimizer's fp32 master weights (pipeline/checkpoint/masters.py), not
+the 16-bit copies in its layer files.
 
 DeepSpeed copies its own zero_to_fp32.py and zero_to_torch.py into every save_dir; they read the weights
 from mp_rank_00_model_states.pt, where a pipeline checkpoint has none (`module` is None: the weights are in
@@ -29,6 +31,7 @@ from fathom.common.outputs import check_files_folder
 from fathom.common.run_layout import DEEPSPEED_SCRIPTS, checkpoint_dir
 from fathom.model.model_config import DTYPES
 from fathom.model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
+from fathom.pipeline.checkpoint.masters import master_weights
 
 WEIGHTS = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
 # DeepSpeed's spellings of the output precision (zero_to_torch.py --dtype)
@@ -66,9 +69,15 @@ def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[
     missing_layer_files(cfg, checkpoint)
     check_files_folder(out, "output_dir")
     precision = DTYPES[DTYPE_NAMES[dtype]]
+    model = load_reference(save_dir, checkpoint.name)
+    masters = master_weights(cfg, checkpoint)
+    for part, weights in (masters or {}).items():
+        for key, values in weights.items():
+            parameter = model.get_submodule(part).get_parameter(key)
+            parameter.data.copy_(values.view_as(parameter))
     state = {
         key: value.to(precision) if value.is_floating_point() else value
-        for key, value in fairseq_state_dict(load_reference(save_dir, checkpoint.name)).items()
+        for key, value in fairseq_state_dict(model).items()
     }
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
@@ -89,7 +98,9 @@ def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[
             raise OSError(err.errno, err.strerror, str(path)) from None
         raise
     parameters = sum({value.data_ptr(): value.numel() for value in state.values()}.values())
-    return {"path": path, "checkpoint": checkpoint, "parameters": parameters, "dtype": DTYPE_NAMES[dtype]}
+    source = "the optimizer's fp32 master weights" if masters else "the weights"
+    return {"path": path, "checkpoint": checkpoint, "parameters": parameters, "dtype": DTYPE_NAMES[dtype],
+            "source": source}  # fmt: skip
 
 
 def write_recovery_scripts(save_dir: str) -> None:
@@ -109,5 +120,5 @@ def main(argv: list[str] | None = None, dtype_required: bool = False) -> None:
         written = consolidate(Path(args.checkpoint_dir), args.tag, Path(args.output_dir), args.dtype)
     print(
         f"wrote {written['path']}: {written['checkpoint']}, {written['parameters']:,} parameters in "
-        f"{written['dtype']} under fairseq's names"
+        f"{written['dtype']} under fairseq's names, from {written['source']}"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import shlex
 from dataclasses import dataclass
 
 from fathom.common.errors import check_counts
@@ -16,6 +17,7 @@ class Cluster:
     gpus: int
     nodes: list[int]  # GPUs per node, in rank order
     memory: int  # bytes per GPU
+    hostfile: str | None = None  # DeepSpeed's hostfile it was read from
 
     def node_of(self, rank: int) -> int:
         return next(node for node, end in enumerate(itertools.accumulate(self.nodes)) if rank < end)
@@ -46,7 +48,30 @@ def cluster_of(gpus: int | None, hostfile: str | None, gpus_per_node: int, memor
     """The cluster of a hostfile (its slots), else of `gpus` on nodes of `gpus_per_node`."""
     if hostfile:
         nodes = list(read_hostfile(hostfile).values())
-        return Cluster(sum(nodes), nodes, parse_size(memory))
+        return Cluster(sum(nodes), nodes, parse_size(memory), hostfile)
     check_counts({"--gpus": gpus, "--gpus-per-node": gpus_per_node})
     full, left = divmod(gpus, gpus_per_node)
     return Cluster(gpus, [gpus_per_node] * full + ([left] if left else []), parse_size(memory))
+
+
+# what the plan sets, in place of any value the user's overrides gave them
+PLANNED_KEYS = ("pipeline.stages", "pipeline.activation_checkpoint_interval")
+# the place of a hostfile a plan for nodes counted by --gpus does not know
+HOSTFILE = "HOSTFILE"
+
+
+def launch_command(cluster: Cluster, config: str, overrides: list[str], planned: list[str]) -> str:
+    """The command that trains what was planned on `cluster`: fathom-launch (DeepSpeed's launcher
+    arguments, checked) running the installed module (a wheel has no scripts/), with the config and every
+    override the plan was made with, the plan's own (`planned`, PLANNED_KEYS) last and alone, and --resume
+    (a job started again goes on from its last checkpoint). One node counted by --gpus is --num_gpus;
+    several need a hostfile, which only --hostfile names: HOSTFILE stands for it."""
+    if cluster.hostfile:
+        where = ["--hostfile", cluster.hostfile]
+    elif len(cluster.nodes) == 1:
+        where = ["--num_gpus", str(cluster.gpus)]
+    else:
+        where = ["--hostfile", HOSTFILE]
+    kept = [override for override in overrides if override.partition("=")[0].strip() not in PLANNED_KEYS]
+    return shlex.join(["fathom-launch", *where, "--module", "fathom.train", "--config", config, "--override", *kept,
+                       *planned, "--resume"])  # fmt: skip

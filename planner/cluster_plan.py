@@ -50,7 +50,7 @@ from fathom.pipeline.parts.stage_memory import (
     state_bytes,
 )
 from fathom.pipeline.reports.memory import GiB
-from fathom.planner.cluster import Cluster, cluster_of, crossings
+from fathom.planner.cluster import HOSTFILE, Cluster, cluster_of, crossings, launch_command
 from fathom.planner.estimate import check_length, fill_vocab_and_length, report
 from fathom.planner.layer_times import LayerTime, device_name, time_layers_here
 
@@ -232,11 +232,17 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
     return "\n".join(lines)
 
 
-def plan_details(
-    config: str, plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, checkpointing: int, timed_on: str | None
-) -> str:
-    """The plan stage by stage, and the command that launches it (`checkpointing`: the config's interval;
-    `timed_on`: the device the per-layer times were measured on, if any)."""
+def planned_overrides(split: Split, checkpointing: int | str) -> list[str]:
+    """The overrides that give the config `split` (`checkpointing`: the config's interval)."""
+    overrides = [f"pipeline.stages={split.stages}"]
+    if split.checkpoint_interval != checkpointing:
+        overrides.append(f"pipeline.activation_checkpoint_interval={split.checkpoint_interval}")
+    return overrides
+
+
+def plan_details(plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, launch: str, timed_on: str | None) -> str:
+    """The plan stage by stage, and `launch`, the command that trains it (`timed_on`: the device the
+    per-layer times were measured on, if any)."""
     split = plan.split
     boundaries, groups = crossings(cluster, split.stages, split.replicas)
     lines = [report(plan.cfg, plan.estimates, shape, split.replicas), ""]
@@ -268,12 +274,10 @@ def plan_details(
             f"step time: {plan.step_seconds:.2f} s from per-layer times measured on {timed_on} (the 1F1B critical "
             "path; communication and the optimizer's step not included)"
         )
-    overrides = [f"pipeline.stages={split.stages}"]
-    if split.checkpoint_interval != checkpointing:
-        overrides.append(f"pipeline.activation_checkpoint_interval={split.checkpoint_interval}")
-    lines.append(
-        f"launch: deepspeed --hostfile HOSTFILE scripts/train.py --config {config} --override {' '.join(overrides)}"
-    )
+    lines.append(f"launch: {launch}")
+    if cluster.hostfile is None and len(cluster.nodes) > 1:
+        lines.append(f"({HOSTFILE}: DeepSpeed's hostfile of the {len(cluster.nodes)} nodes, a 'HOST slots=GPUS' line "
+                     "each; plan with --hostfile to have it here)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -392,4 +396,5 @@ def main(argv: list[str] | None = None) -> None:
         shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
         print()
         timed_on = device_name() if args.time_layers else None
-        print(plan_details(args.config, shown, shape, cluster, checkpointing, timed_on))
+        launch = launch_command(cluster, args.config, args.override, planned_overrides(shown.split, checkpointing))
+        print(plan_details(shown, shape, cluster, launch, timed_on))

@@ -2,7 +2,12 @@
 and 2-, 3- and 4-stage runs, and the plan a user gets for a paper's recipe."""
 
 import json
+import os
 import platform
+import re
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -140,7 +145,59 @@ def test_the_papers_500_layers_on_8_gpus(capsys):
     assert " 2 x 4    1    32" in out  # 128 micro-batches an update, 32 for each of 4 replicas
     assert "1F1B bubble: 1 of 33 slots idle on every stage (3.0%)" in out
     assert "stage 0 -> 1:" in out and "(within a node)" in out
-    assert f"--config {RECIPE} --override pipeline.stages=2" in out
+    assert f"--config {RECIPE} --override pipeline.stages=2 --resume" in out
+
+
+def launch_line(out: str) -> list[str]:
+    return shlex.split(next(line for line in out.splitlines() if line.startswith("launch: "))[len("launch: ") :])
+
+
+def test_the_launch_line_carries_the_plans_overrides_and_its_cluster(tmp_path, capsys):
+    """The launch line dropped the plan's --override values (planned in bf16 at 2L-6L, it launched fp32 6L-6L),
+    said `--hostfile HOSTFILE` for GPUs counted by --gpus and `scripts/train.py`, which a wheel lacks. Now it
+    has every override the plan was made with, the plan's stages in place of the user's, the hostfile planned
+    with (or --num_gpus on one node; several nodes counted by --gpus say what HOSTFILE stands for), and the
+    installed module."""
+    recipe = "branchnorm_table2_wmt14_en_fr_6L-6L"
+    given = ['bf16={"enabled": true}', "model.encoder_layers=2", "pipeline.stages=3"]
+    common = ["--config", recipe, "--gpu-memory", "80GB", "--vocab-size", "40008", "--override", *given]
+    main([*common, "--gpus", "8", "--stages", "2"])
+    out = capsys.readouterr().out
+    assert "bf16, ZeRO stage 1, 2 stages x 4 data-parallel" in out
+    assert launch_line(out) == ["fathom-launch", "--num_gpus", "8", "--module", "fathom.train", "--config", recipe,
+                                "--override", *given[:2], "pipeline.stages=2", "--resume"]  # fmt: skip
+    assert "HOSTFILE" not in out
+
+    main([*common, "--gpus", "16", "--stages", "2"])
+    out = capsys.readouterr().out
+    assert launch_line(out)[:3] == ["fathom-launch", "--hostfile", "HOSTFILE"]
+    assert "(HOSTFILE: DeepSpeed's hostfile of the 2 nodes, a 'HOST slots=GPUS' line each;" in out
+
+    hostfile = tmp_path / "my hosts"
+    hostfile.write_text("node-a slots=4\nnode-b slots=4\n")
+    main([*common, "--hostfile", str(hostfile), "--stages", "2"])
+    assert launch_line(capsys.readouterr().out)[:3] == ["fathom-launch", "--hostfile", str(hostfile)]
+
+
+@pytest.mark.slow
+def test_the_launch_line_run_as_printed_trains_what_was_planned(tmp_path, capsys):
+    """The printed line, run by a shell from another directory, trains the planned split of the planned model
+    and precision: the run's config is the plan's."""
+    save_dir = tmp_path / "run"
+    given = ['bf16={"enabled": true}', "model.encoder_layers=1", "model.decoder_layers=2", "train.max_steps=1",
+             f"train.save_dir={save_dir}", "data.synthetic.sentences=64"]  # fmt: skip
+    main(["--config", "default", "--gpus", "2", "--gpu-memory", "8GB", "--override", *given])
+    out = capsys.readouterr().out
+    stages, replicas = map(int, re.search(r"bf16, ZeRO stage 1, (\d+) stages x (\d+) data-parallel", out).groups())
+    line = next(line for line in out.splitlines() if line.startswith("launch: "))[len("launch: ") :]
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    config = json.loads((save_dir / "config.json").read_text())
+    assert config["bf16"] == {"enabled": True} and config["pipeline"]["stages"] == stages
+    assert (config["model"]["encoder_layers"], config["model"]["decoder_layers"]) == (1, 2)
+    assert stages * replicas == 2 and (save_dir / "latest").read_text().strip() == "global_step1"
 
 
 def test_a_step_time_from_layers_timed_here(capsys):

@@ -60,12 +60,18 @@ PLANNED_KEYS = ("pipeline.stages", "pipeline.activation_checkpoint_interval")
 HOSTFILE = "HOSTFILE"
 
 
-def launch_command(cluster: Cluster, config: str, overrides: list[str], planned: list[str]) -> str:
-    """The command that trains what was planned on `cluster`: fathom-launch (DeepSpeed's launcher
-    arguments, checked) running the installed module (a wheel has no scripts/), with the config and every
-    override the plan was made with, the plan's own (`planned`, PLANNED_KEYS) last and alone, and --resume
-    (a job started again goes on from its last checkpoint). One node counted by --gpus is --num_gpus;
-    several need a hostfile, which only --hostfile names: HOSTFILE stands for it."""
+def launch_command(
+    cluster: Cluster, config: str, overrides: list[str], stages: int, interval: int | str, configured: int | str
+) -> str:
+    """The command that trains `stages` checkpointing every `interval` layers (`configured`: the config's
+    interval) on `cluster`: fathom-launch (DeepSpeed's launcher arguments, checked) running the installed
+    module (a wheel has no scripts/), with the config and every override the plan was made with, the plan's
+    own (PLANNED_KEYS) last and alone, and --resume (a job started again goes on from its last checkpoint).
+    One node counted by --gpus is --num_gpus; several need a hostfile, which only --hostfile names: HOSTFILE
+    stands for it."""
+    planned = [f"pipeline.stages={stages}"]
+    if interval != configured:
+        planned.append(f"pipeline.activation_checkpoint_interval={interval}")
     if cluster.hostfile:
         where = ["--hostfile", cluster.hostfile]
     elif len(cluster.nodes) == 1:

@@ -1,7 +1,7 @@
 """A plan for a cluster before anything is queued: how to split its GPUs for a recipe, and what each
 split costs.
 
-    python scripts/plan_cluster.py --config RECIPE (--gpus N | --hostfile FILE) --gpu-memory 80GB
+    python scripts/plan_cluster.py --config RECIPE (--gpus N | --hostfile FILE) --gpu-memory 80GB [--reserve 2GiB]
         [--gpus-per-node 8] [--vocab-size V] [--length L] [--sentences B] [--stages S] [--time-layers]
         [--override k=v ...]
 
@@ -9,7 +9,7 @@ Every split of the GPUs into pipeline stages x data-parallel replicas, with acti
 the recipe sets it (for "auto", the interval a launch would choose in --gpu-memory, or train.memory_budget)
 and off, is held to four things:
 
-    memory      each stage's peak (planner/estimate.py) against --gpu-memory
+    memory      each stage's peak (planner/estimate.py), --reserve included, against --gpu-memory
     bubble      1F1B idles each stage (S - 1) of every (M + S - 1) forward and backward slots of a step,
                 M the micro-batches each replica accumulates
     traffic     bytes sent between stages per step (the outputs forward, token ids included, and their
@@ -51,7 +51,7 @@ from fathom.pipeline.parts.stage_memory import (
 )
 from fathom.pipeline.reports.memory import GiB
 from fathom.planner.cluster import HOSTFILE, Cluster, cluster_of, crossings, launch_command
-from fathom.planner.estimate import check_length, fill_vocab_and_length, report
+from fathom.planner.estimate import add_reserve_option, check_length, fill_vocab_and_length, report, reserve_bytes
 from fathom.planner.layer_times import LayerTime, device_name, time_layers_here
 
 # DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
@@ -144,6 +144,7 @@ def plan_split(
     split: Split,
     times: list[LayerTime] | None = None,
     memory: int | None = None,
+    fixed: int | None = None,
 ) -> SplitPlan | str:
     """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it:
     the config check a launch on the split's GPUs would fail. A split whose interval is "auto" gets the one
@@ -155,13 +156,13 @@ def plan_split(
         check_deepspeed(cfg.deepspeed, cfg.model, world_size=split.stages * split.replicas)
         if split.checkpoint_interval == AUTO_INTERVAL:
             fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
-            choice = choose_interval(cfg, traces, shape, split.stages, split.replicas, "gpu", fitted, source)
+            choice = choose_interval(cfg, traces, shape, split.stages, split.replicas, "gpu", fitted, source, fixed)
             cfg = with_interval(cfg, choice)
     except ConfigError as err:
         return str(err)
     interval = cfg.deepspeed["pipeline"]["activation_checkpoint_interval"]
     micro_batches = accumulation(cfg.deepspeed, split.replicas)
-    estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas)
+    estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas, fixed=fixed)
     layers = traces[0]
     bounds = [estimate.start for estimate in estimates] + [estimates[-1].stop]
     gradient_bytes = state_bytes(cfg).gradients
@@ -230,14 +231,6 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
         )
     )
     return "\n".join(lines)
-
-
-def planned_overrides(split: Split, checkpointing: int | str) -> list[str]:
-    """The overrides that give the config `split` (`checkpointing`: the config's interval)."""
-    overrides = [f"pipeline.stages={split.stages}"]
-    if split.checkpoint_interval != checkpointing:
-        overrides.append(f"pipeline.activation_checkpoint_interval={split.checkpoint_interval}")
-    return overrides
 
 
 def plan_details(plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, launch: str, timed_on: str | None) -> str:
@@ -333,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--hostfile", help="DeepSpeed's hostfile ('HOST slots=N' lines): its GPUs and nodes")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --gpus: GPUs per node (default 8)")
     parser.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB or 80GiB")
+    add_reserve_option(parser)
     parser.add_argument(
         "--vocab-size",
         type=int,
@@ -380,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = micro_batch_shape(cfg, args.sentences, length)
         traces = trace_layers(cfg, shape.length)
         times = time_layers_here(cfg, traces, shape.sentences, shape.length) if args.time_layers else None
-        plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory))
+        fixed = reserve_bytes(args.reserve)
+        plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory, fixed))
                  for split in splits(cfg, cluster.gpus)]  # fmt: skip
         best = choose(plans, cluster.memory)
         model = cfg.model
@@ -396,5 +391,6 @@ def main(argv: list[str] | None = None) -> None:
         shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
         print()
         timed_on = device_name() if args.time_layers else None
-        launch = launch_command(cluster, args.config, args.override, planned_overrides(shown.split, checkpointing))
-        print(plan_details(shown, shape, cluster, launch, timed_on))
+        interval = shown.split.checkpoint_interval
+        planned = launch_command(cluster, args.config, args.override, shown.split.stages, interval, checkpointing)
+        print(plan_details(shown, shape, cluster, planned, timed_on))

@@ -1,10 +1,11 @@
 """What each pipeline stage of a run will hold at its peak, known before a job is queued.
 
     python scripts/estimate_memory.py --config FILE [--override k=v ...] [--stages S]
-        [--data-parallel D] [--sentences N --length L] [--gpu-memory 80GB]
+        [--data-parallel D] [--sentences N --length L] [--gpu-memory 80GB] [--device gpu|cpu] [--reserve SIZE]
 
-Per stage: model states, activations and the step's transients, as pipeline/parts/stage_memory.py models
-them (its docstring says what each counts and how activations are traced).
+Per stage: the fixed part every process holds (--reserve, else stage_memory.FIXED_BYTES for the device),
+model states, activations and the step's transients, as pipeline/parts/stage_memory.py models them (its
+docstring says what each counts and how activations are traced).
 
 A config's pipeline.activation_checkpoint_interval "auto" is the interval a launch would choose
 (pipeline/parts/auto_checkpointing.py) to fit train.memory_budget, else --gpu-memory.
@@ -31,6 +32,7 @@ from fathom.pipeline.parts.auto_checkpointing import (
     with_interval,
 )
 from fathom.pipeline.parts.stage_memory import (
+    FIXED_BYTES,
     MicroBatchShape,
     StageEstimate,
     estimate_stages,
@@ -48,6 +50,7 @@ def smallest_stage_count(
     memory: int,
     data_parallel: int = 1,
     device: str = "gpu",
+    fixed: int | None = None,
 ) -> int | None:
     """The fewest stages whose every peak fits in `memory` bytes (None: not even one Transformer
     layer per stage). The first stage holds min(stages, micro-batches) micro-batches in flight, so up
@@ -56,7 +59,8 @@ def smallest_stage_count(
     peaks shrink as stages grow, and a doubling search and a bisection suffice."""
 
     def fits(stages: int) -> bool:
-        return max(s.peak for s in estimate_stages(cfg, traces, shape, stages, data_parallel, device)) <= memory
+        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, fixed=fixed)
+        return max(s.peak for s in estimates) <= memory
 
     most = cfg.model.encoder_layers + cfg.model.decoder_layers
     low = min(accumulation(cfg.deepspeed, data_parallel), most)
@@ -113,11 +117,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sentences", type=int, help="pairs per micro-batch (default: from the config)")
     parser.add_argument("--length", type=int, help="padded tokens per sentence (default: the data's longest)")
     parser.add_argument("--gpu-memory", help="also find the fewest stages that fit, e.g. 80GB")
-    parser.add_argument(
-        "--device", choices=("gpu", "cpu"), default="gpu", help="where it runs: cpu adds a rank's fixed overhead"
-    )
+    parser.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="where it runs (default gpu)")
+    add_reserve_option(parser)
     parser.add_argument("--measured", help="a finished run's save_dir: print its measured peaks beside the estimate")
     return parser.parse_args(argv)
+
+
+def add_reserve_option(parser: argparse.ArgumentParser) -> None:
+    gpu, cpu = FIXED_BYTES["gpu"] / GiB, FIXED_BYTES["cpu"] / 2**20
+    parser.add_argument(
+        "--reserve",
+        help="memory each process holds whatever the model: the CUDA context, NCCL's buffers, the allocator's "
+        f"reserve (default {gpu:g}GiB on a GPU, {cpu:g}MiB on a CPU; docs/CLUSTERS.md)",
+    )
+
+
+def reserve_bytes(text: str | None) -> int | None:
+    """--reserve in bytes (None: the device's FIXED_BYTES); none at all is allowed."""
+    return None if text is None else parse_size(text, "--reserve", least=0)
 
 
 def _gib(value: float) -> str:
@@ -131,22 +148,24 @@ def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShap
         f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
         f"tokens, {accumulation(cfg.deepspeed, data_parallel)} per step, activation checkpoint interval "
         f"{cfg.deepspeed['pipeline'].get('activation_checkpoint_interval', 0)}",
-        f"{'stage':>5} {'layers':>11} {'params':>13} {'weights':>8} {'grads':>8} {'optim':>8} {'activ':>8} "
-        f"{'step tmp':>8} {'peak GiB':>8}",
+        f"{'stage':>5} {'layers':>11} {'params':>13} {'fixed':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
+        f"{'activ':>8} {'step tmp':>8} {'peak GiB':>8}",
     ]
     for e in estimates:
         optimizer = e.model_states - e.params * (per_param.weights + per_param.gradients)
         lines.append(
-            f"{e.stage:>5} {f'{e.start}-{e.stop - 1}':>11} {e.params:>13,} {_gib(e.params * per_param.weights)} "
+            f"{e.stage:>5} {f'{e.start}-{e.stop - 1}':>11} {e.params:>13,} {_gib(e.fixed)} "
+            f"{_gib(e.params * per_param.weights)} "
             f"{_gib(e.params * per_param.gradients)} {_gib(optimizer)} {_gib(e.activations)} {_gib(e.transient)} "
             f"{_gib(e.peak)}"
         )
     return "\n".join(lines)
 
 
-def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
+def measured_report(save_dir: Path, estimates: list[StageEstimate], device: str) -> str:
     """Each rank's measured peak (pipeline/reports/memory.py: above its pre-model baseline) beside its stage's
-    estimate."""
+    estimate: on a GPU what torch allocated, without the fixed part (the CUDA context and NCCL's buffers are
+    outside its allocator); on a CPU the resident set, which holds it."""
     path = save_dir / MEMORY_FILE
     if not path.exists():
         raise ConfigError(f"--measured: {path} does not exist; it is written when a training run finishes")
@@ -160,7 +179,8 @@ def measured_report(save_dir: Path, estimates: list[StageEstimate]) -> str:
     if (stages := 1 + max(rank.stage for rank in peaks)) != len(estimates):
         raise ConfigError(f"--measured: the run in {save_dir} had {stages} stages; estimate with --stages {stages}")
     for rank in peaks:
-        estimate = estimates[rank.stage].peak
+        stage = estimates[rank.stage]
+        estimate = stage.peak if device == "cpu" else stage.allocated
         lines.append(
             f"rank {rank.rank} (stage {rank.stage}): measured {rank.model_bytes / GiB:.3f} GiB, "
             f"estimated {estimate / GiB:.3f} GiB ({estimate / rank.model_bytes - 1:+.1%})"
@@ -176,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages is not None else [])]
         cfg = load_config(args.config, overrides, world_size=None)
         memory = parse_size(args.gpu_memory) if args.gpu_memory is not None else None
+        fixed = reserve_bytes(args.reserve)
         shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
         if requested_interval(cfg) == AUTO_INTERVAL:
@@ -183,19 +204,22 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(f'{INTERVAL_KEY}: "{AUTO_INTERVAL}" fits a memory; give --gpu-memory, or set '
                                   f"{BUDGET_KEY}")  # fmt: skip
             fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
-            choice = choose_interval(cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fitted, source)
+            choice = choose_interval(
+                cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fitted, source, fixed
+            )
             print(choice.line())
             cfg = with_interval(cfg, choice)
-        estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device)
+        estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fixed=fixed)
         print(report(cfg, estimates, shape, args.data_parallel))
         print(f"largest stage peak: {max(e.peak for e in estimates) / GiB:.2f} GiB")
         if args.measured:
-            print(measured_report(Path(args.measured), estimates))
+            print(measured_report(Path(args.measured), estimates, args.device))
         if memory:
-            fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, args.device)
+            fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, args.device, fixed)
             if fewest is None:
                 print(f"does not fit in {memory / GiB:.2f} GiB even with one Transformer layer per stage")
             else:
-                peak = max(e.peak for e in estimate_stages(cfg, traces, shape, fewest, args.data_parallel, args.device))
+                most = estimate_stages(cfg, traces, shape, fewest, args.data_parallel, args.device, fixed=fixed)
+                peak = max(e.peak for e in most)
                 print(f"fewest stages that fit in {memory / GiB:.2f} GiB: {fewest} ", end="")
                 print(f"(largest stage peak {peak / GiB:.2f} GiB)")

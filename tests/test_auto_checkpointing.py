@@ -20,7 +20,7 @@ from fathom.pipeline.parts.auto_checkpointing import (
     choose_interval,
     launch_shape,
 )
-from fathom.pipeline.parts.stage_memory import CPU_RUNTIME_BYTES
+from fathom.pipeline.parts.stage_memory import FIXED_BYTES
 from fathom.pipeline.reports.memory import MeasuredPeak
 from fathom.planner.cluster_plan import Split, plan_split
 from fathom.planner.estimate import main as estimate_main
@@ -102,7 +102,7 @@ def test_with_cuda_graphs_auto_chooses_from_one(tried):
 
 def test_no_interval_that_fits_is_one_line_naming_the_lowest_peak_and_the_fixes(tmp_path, tried):
     with pytest.raises(ConfigError) as err:
-        checked(tmp_path, "train.memory_budget=100MiB")
+        checked(tmp_path, "train.memory_budget=60MiB")
     message = str(err.value)
     lowest = min(c.peak for c in tried.values())
     assert "\n" not in message
@@ -118,11 +118,13 @@ def test_auto_on_a_cpu_without_a_budget_is_refused(tmp_path):
 
 
 def test_on_a_gpu_auto_fits_the_gpus_memory(tmp_path, monkeypatch, tried):
-    """No GPU here: torch is told of one whose memory less the reserve lies between the GPU estimates (no
-    CPU runtime allowance) without checkpointing and with it, where a CPU rank fits nothing."""
+    """No GPU here: torch is told of one whose memory less the reserve lies between the GPU estimates (a GPU's
+    fixed part in place of a CPU rank's) without checkpointing and with it."""
     cfg, corpus = checked(tmp_path, "pipeline.activation_checkpoint_interval=0")
     cfg.deepspeed["pipeline"]["activation_checkpoint_interval"] = "auto"
-    memory = int(((tried[0].peak + tried[1].peak) // 2 - CPU_RUNTIME_BYTES) / (1 - MEMORY_RESERVE))
+    memory = int(
+        ((tried[0].peak + tried[1].peak) // 2 - FIXED_BYTES["cpu"] + FIXED_BYTES["gpu"]) / (1 - MEMORY_RESERVE)
+    )
     monkeypatch.setattr(auto_checkpointing.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(auto_checkpointing, "gpu_memory", lambda: memory)
     choice = auto_checkpointing.resolve_checkpointing(cfg, corpus, WORLD).auto_checkpointing
@@ -187,7 +189,9 @@ def test_the_cluster_plan_shows_autos_choice_per_split(tmp_path, tried):
     cfg.train.memory_budget = None
     shape = launch_shape(cfg, corpus)
     traces = trace_layers(cfg, shape.length)
-    memory = int(((tried[0].peak + tried[1].peak) // 2 - CPU_RUNTIME_BYTES) / (1 - MEMORY_RESERVE))  # a GPU's
+    memory = int(
+        ((tried[0].peak + tried[1].peak) // 2 - FIXED_BYTES["cpu"] + FIXED_BYTES["gpu"]) / (1 - MEMORY_RESERVE)
+    )  # a GPU's
     plan = plan_split(cfg, traces, shape, Split(2, 1, "auto"), memory=memory)
     expected = choose_interval(cfg, traces, shape, 2, 1, "gpu", memory, "--gpu-memory").interval
     assert expected >= 1 and plan.cfg.deepspeed["pipeline"]["activation_checkpoint_interval"] == expected

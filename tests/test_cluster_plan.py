@@ -148,6 +148,24 @@ def test_the_papers_500_layers_on_8_gpus(capsys):
     assert f"--config {RECIPE} --override pipeline.stages=2 --resume" in out
 
 
+def test_every_stage_holds_the_fixed_part_and_fits_with_it(capsys):
+    """A 2-stage 2L-2L plan said 0.003 GiB a stage, where each rank of the run held 0.06 GiB above its baseline,
+    and "fits" compared that with all of the GPU's memory. Now each stage's peak has the fixed part (the CUDA
+    context, NCCL's buffers, the allocator's reserve: --reserve, 2 GiB by default on a GPU) in a column of its
+    own, and a GPU fits a split only with it."""
+    args = ["--config", str(DEFAULT), "--gpus", "2", "--override", *SMALL, "--stages", "2"]
+    main([*args, "--gpu-memory", "8GB"])
+    out = capsys.readouterr().out
+    stage = next(line.split() for line in out.splitlines() if line.strip().startswith("0 "))
+    assert stage[3] == stage[-1] == "2.00", out  # fixed, peak GiB: the model of 2L-2L d 16 is a few MiB
+    with pytest.raises(SystemExit):
+        main([*args, "--gpu-memory", "2GiB"])
+    assert "and the others need more than 2.00 GiB" in capsys.readouterr().err
+    main([*args, "--gpu-memory", "2GiB", "--reserve", "100MiB"])
+    stage = next(line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("0 "))
+    assert stage[3] == stage[-1] == "0.10"
+
+
 def launch_line(out: str) -> list[str]:
     return shlex.split(next(line for line in out.splitlines() if line.startswith("launch: "))[len("launch: ") :])
 

@@ -11,7 +11,7 @@ from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.parts.activation_trace import trace_layers
 from fathom.pipeline.parts.stage_memory import (
-    CPU_RUNTIME_BYTES,
+    FIXED_BYTES,
     MicroBatchShape,
     estimate_stages,
     micro_batch_shape,
@@ -55,9 +55,9 @@ def test_model_states_by_hand(precision, zero, fused, per_param, step):
     assert stage.params == 1744
     assert stage.model_states == int(1744 * per_param)
     assert stage.transient == int(1744 * step)
-    assert stage.runtime == 0  # a GPU's allocator
+    assert stage.fixed == FIXED_BYTES["gpu"]
     cpu = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), 1, 2, device="cpu")[0]
-    assert cpu.runtime == CPU_RUNTIME_BYTES and cpu.peak == stage.peak + CPU_RUNTIME_BYTES
+    assert cpu.fixed == FIXED_BYTES["cpu"] and cpu.peak == stage.allocated + FIXED_BYTES["cpu"]
 
 
 def test_checkpointed_layers_hold_only_their_inputs():
@@ -148,19 +148,25 @@ def test_a_damaged_measured_record_is_one_line(tmp_path, capsys, record, message
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+# (model overrides, the stages' layer counts): 2L-2L d 64, a stage's fixed part ten times its model; 12L-12L
+# d 256 without checkpointing, a model 5x the fixed part; 48L-48L d 64, the most layers
+SIZES = {
+    "2L-2L": ["model.encoder_layers=2", "model.decoder_layers=2"],
+    "12L-12L d256": ["model.encoder_layers=12", "model.decoder_layers=12", "model.embed_dim=256", "model.ffn_dim=1024"],
+    "48L-48L": ["model.encoder_layers=48", "model.decoder_layers=48", "pipeline.activation_checkpoint_interval=1"],
+}  # fmt: skip
+MARGIN_BYTES, MARGIN_SHARE = 32 * 2**20, 0.15  # the estimate is within the larger of the two of a measured peak
+
+
 @pytest.mark.slow
-def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
-    """2 stages, ZeRO-1, activation checkpointing, fp32 on this CPU with train.cpu_heap=return: each rank's
-    peak resident memory above what it held before the model (pipeline/reports/memory.py) against the planner's
-    stage peak. 24L-24L: at 12L-12L (0.34 GB a stage) the planner's fixed allowance for what a CPU rank
-    allocates whatever the model was itself 12-15% of the peak, and the test failed one run in three at
-    15.2%; here the prediction was 5.2-5.9% high on both stages in two runs."""
-    overrides = [
-        "model.encoder_layers=24", "model.decoder_layers=24", "model.embed_dim=256", "model.ffn_dim=1024",
-        "pipeline.activation_checkpoint_interval=1",
-        "train.max_steps=3", f"train.save_dir={tmp_path}", "train.save_interval=1000",
-        "train.cpu_heap=return",  # freed tensors handed back: the process holds what it uses
-    ]  # fmt: skip
+@pytest.mark.parametrize("size", list(SIZES))
+def test_the_estimate_is_within_its_margin_of_a_measured_run(tmp_path, size):
+    """2 stages, ZeRO-1, fp32 on this CPU with train.cpu_heap=return: each rank's peak resident memory above what
+    it held before the model (pipeline/reports/memory.py) against the planner's stage peak, its fixed part
+    included (FIXED_BYTES["cpu"]). The fixed part was 128 MiB where 2L-2L ranks measured 27-29 MiB in all (the
+    estimate 4.6x theirs); measured with return, it is 24-66 MiB from 2L-2L to 48L-48L (docs/BENCHMARKS.md)."""
+    overrides = [*SIZES[size], "train.max_steps=3", f"train.save_dir={tmp_path}", "train.save_interval=1000",
+                 "train.cpu_heap=return"]  # freed tensors handed back: the process holds what it uses  # fmt: skip
     result = launch("scripts/train.py", "--config", "ds_configs/default.json", "--override", *overrides)
     assert result.returncode == 0
     measured = json.loads((tmp_path / MEMORY_FILE).read_text())
@@ -168,9 +174,8 @@ def test_prediction_within_15_percent_of_a_measured_run(tmp_path):
     shape = micro_batch_shape(cfg, None, fill_vocab_and_length(cfg, None))
     estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device="cpu")
     for rank in measured:
-        predicted = estimates[rank["stage"]].peak
-        actual = rank["peak"] - rank["baseline"]
-        assert abs(predicted - actual) / actual <= 0.15, (rank, predicted)
+        predicted, actual = estimates[rank["stage"]].peak, rank["peak"] - rank["baseline"]
+        assert abs(predicted - actual) <= max(MARGIN_BYTES, MARGIN_SHARE * actual), (rank, predicted)
 
 
 def plan_refused(capsys, *argv: str) -> str:

@@ -84,14 +84,15 @@ def candidates(
     stages: int,
     data_parallel: int,
     device: str,
+    fixed: int | None = None,
 ) -> list[Candidate]:
     """Every interval worth trying: 0 to the longest stage's layer count (past it every stage is one run).
-    With train.cuda_graphs, which needs checkpointing, from 1."""
+    With train.cuda_graphs, which needs checkpointing, from 1. `fixed`: as estimate_stages takes it."""
     costs, bounds = layer_costs(cfg.model), stage_bounds(cfg.model, stages)
     longest = max(stop - start for start, stop in itertools.pairwise(bounds))
     found = []
     for interval in range(1 if cfg.train.cuda_graphs else 0, longest + 1):
-        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval=interval)
+        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval, fixed)
         peaks = tuple(estimate.peak for estimate in estimates)
         found.append(Candidate(interval, peaks, recomputed_work(traces[0], costs, bounds, interval)))
     return found
@@ -106,11 +107,12 @@ def choose_interval(
     device: str,
     memory: int,
     source: str,
+    fixed: int | None = None,
 ) -> CheckpointChoice:
     """The rule (above) for `stages` x `data_parallel` ranks of `memory` bytes each (`source`: where that
-    came from); a ConfigError in one line if no interval fits."""
+    came from; `fixed`: as estimate_stages takes it); a ConfigError in one line if no interval fits."""
     usable = int(memory * (1 - MEMORY_RESERVE))
-    tried = candidates(cfg, traces, shape, stages, data_parallel, device)
+    tried = candidates(cfg, traces, shape, stages, data_parallel, device, fixed)
     fitting = [c for c in tried if c.peak <= usable]
     if not fitting:
         lowest = min(tried, key=lambda c: (c.peak, c.interval))

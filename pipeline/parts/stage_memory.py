@@ -32,10 +32,14 @@ from fathom.pipeline.parts.stage_cuts import stage_bounds
 from fathom.pipeline.reports.memory import GiB
 
 GB = 10**9
-# A CPU rank allocates this much more once it trains, whatever the model's size (DeepSpeed's engine,
-# gloo, autograd's threads): measured 45-140 MiB above the estimate at 6 to 96 layers
-# (docs/BENCHMARKS.md). A GPU's allocator counts none of it.
-CPU_RUNTIME_BYTES = 128 * 2**20
+# What a process holds whatever the model, beside the estimate (the planners' --reserve replaces it):
+# - a CPU rank: DeepSpeed's engine, gloo's buffers, autograd's threads and the allocator's slack, measured as
+#   its resident set above the estimate with train.cpu_heap=return: 24-66 MiB from 2L-2L d 64 to 48L-48L
+#   (docs/BENCHMARKS.md, tests/test_planner.py holds it to that);
+# - a GPU: the CUDA context, NCCL's buffers (per communicator: the pipeline's pairs, the replicas' all-reduce)
+#   and the caching allocator's reserve beyond what it hands out. An allowance, not measured here (no GPU):
+#   the CUDA context alone takes about 0.5 GiB on current GPUs.
+FIXED_BYTES = {"cpu": 48 * 2**20, "gpu": 2 * GiB}
 
 
 @dataclass(frozen=True)
@@ -80,12 +84,16 @@ class StageEstimate:
     model_states: int  # bytes: parameters, gradients, optimizer state
     activations: int  # bytes held for backward, recomputation included
     transient: int  # bytes allocated only around the optimizer step
-    runtime: int  # bytes a process holds whatever the model (CPU_RUNTIME_BYTES on a CPU)
+    fixed: int  # bytes the process holds whatever the model (FIXED_BYTES)
+
+    @property
+    def allocated(self) -> int:
+        """What the model's tensors take at the peak: activations are gone by the step, so the two never add up."""
+        return self.model_states + max(self.activations, self.transient)
 
     @property
     def peak(self) -> int:
-        """Activations are gone by the step, so the two never add up."""
-        return self.runtime + self.model_states + max(self.activations, self.transient)
+        return self.fixed + self.allocated
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
@@ -119,9 +127,11 @@ def estimate_stages(
     data_parallel: int = 1,
     device: str = "gpu",
     interval: int | None = None,
+    fixed: int | None = None,
 ) -> list[StageEstimate]:
     """Every stage's memory when the model is cut into `stages` (as pipeline/parts/stage_cuts.py cuts it),
-    checkpointing every `interval` layers (None: the config's interval, which must be a number by then)."""
+    checkpointing every `interval` layers (None: the config's interval, which must be a number by then), each
+    process holding `fixed` bytes whatever the model (None: the device's FIXED_BYTES)."""
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
     if interval is None:
@@ -157,7 +167,7 @@ def estimate_stages(
                 ),
                 activations=shape.sentences * (in_flight * held + recompute),
                 transient=int(max(params * flatten, sharded * per_param.step)),
-                runtime=CPU_RUNTIME_BYTES if device == "cpu" else 0,
+                fixed=FIXED_BYTES[device] if fixed is None else fixed,
             )
         )
     return estimates
@@ -172,9 +182,9 @@ def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> Mic
     return MicroBatchShape(sentences, length)
 
 
-def parse_size(text: str, name: str = "--gpu-memory") -> int:
-    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB. At least a byte: a GPU or
-    budget of no memory fits nothing, and would only fail later as "nothing fits". `name`: the flag or key
+def parse_size(text: str, name: str = "--gpu-memory", least: int = 1) -> int:
+    """'80GB' (10^9), '80GiB' (2^30), '512MB', '512MiB'; a bare number is GB. At least `least` bytes: a GPU
+    or budget of no memory fits nothing, and would only fail later as "nothing fits". `name`: the flag or key
     that gave it, for the error."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(GB|GiB|MB|MiB)?\s*", text, re.IGNORECASE)
     if not match:
@@ -183,6 +193,6 @@ def parse_size(text: str, name: str = "--gpu-memory") -> int:
     size = float(match[1]) * units[(match[2] or "GB").lower()]
     if not math.isfinite(size):  # hundreds of digits: float() gives inf, which int() cannot take
         raise ConfigError(f"{name} {text!r}: not a size any machine has; give one like 80GB or 40GiB")
-    if int(size) < 1:
+    if int(size) < least:
         raise ConfigError(f"{name}: {text!r} is no memory, in which nothing fits; give a size like 80GB or 40GiB")
     return int(size)

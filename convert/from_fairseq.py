@@ -79,6 +79,8 @@ def read_checkpoint(path: Path) -> FairseqCheckpoint:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; pass a fairseq checkpoint such as checkpoint_best.pt")
     try:
+        # fairseq pickles an argparse.Namespace: `args` before 0.10, and since then the model section of the
+        # config of an arch without a config class (transformer); fathom's exports hold none
         with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # torch raises several types for damaged or foreign files

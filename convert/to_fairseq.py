@@ -2,8 +2,9 @@
 
     python scripts/convert_to_fairseq.py --checkpoint SAVE_DIR [--tag TAG] --data DIR --out OUT
 
-OUT gets checkpoint.pt (fairseq's `model` state dict and the run's `args` as fairseq-train records
-them: arch transformer, the translation task over OUT, the run's label-smoothed criterion),
+OUT gets checkpoint.pt (fairseq's `model` state dict and the run's config as fairseq-train records it,
+in plain containers any torch loads with weights_only: arch transformer, the translation task over OUT,
+the run's label-smoothed criterion),
 dict.SRC.txt, dict.TGT.txt and the SentencePiece model(s); the data's splits but train as fairseq raw
 text (SPLIT.SRC-TGT.LANG); and fathom_export.json, the summary. fairseq-generate (--dataset-impl raw),
 fairseq-interactive, fairseq-validate and TransformerModel.from_pretrained run on OUT as on a model
@@ -54,11 +55,25 @@ from fathom.pipeline.parts.stage_modules import PipePart, pipe_parts
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "fathom_export.json"
 CHECK_PAIRS = 16  # validation pairs run through both models
-# fairseq builds the whole config of a checkpoint saved with `args` (as fairseq-train saved them before
-# 0.10, and as its hub models are) from its own defaults for what the args leave out; but a field whose
+# fairseq 0.12.2's config of a translation run, every section as fairseq-train saves it: what its own
+# convert_namespace_to_omegaconf makes of the arguments {"task": "translation", "criterion":
+# "label_smoothed_cross_entropy", "bpe": "sentencepiece"} and LINKED_DEFAULTS, written there by
+# tests/workers/fairseq_config.py (fathom cannot import fairseq: it does not import on 3.11). An export
+# sets the run's arguments into it; test_an_exports_config_is_the_one_fairseq_makes_of_its_arguments
+# compares the result with fairseq's own.
+FAIRSEQ_TRAIN_CONFIG = Path(__file__).with_name("fairseq_train_config.json")
+# fairseq makes a config from arguments with its own defaults for what they leave out; but a field whose
 # default is another field's value ("${common.fp16}") it reads as that string's truth, so those are given.
 LINKED_DEFAULTS = {"fp16": False, "memory_efficient_fp16": False, "tpu": False, "grouped_shuffling": False,
                    "update_epoch_batch_itr": False, "model_parallel_size": 1, "distributed_world_size": 1}  # fmt: skip
+# base_architecture's arguments for what fathom's model does not have: off, none, or ignored (the block size)
+ABSENT_FEATURES = {"encoder_embed_path": None, "decoder_embed_path": None, "encoder_layers_to_keep": None,
+                   "decoder_layers_to_keep": None, "encoder_layerdrop": 0, "decoder_layerdrop": 0,
+                   "adaptive_softmax_cutoff": None, "adaptive_softmax_dropout": 0, "quant_noise_pq": 0,
+                   "quant_noise_pq_block_size": 8, "quant_noise_scalar": 0, "no_scale_embedding": False,
+                   "layernorm_embedding": False, "no_token_positional_embeddings": False, "adaptive_input": False,
+                   "tie_adaptive_weights": False, "no_cross_attention": False, "cross_self_attention": False,
+                   "checkpoint_activations": False, "offload_activations": False}  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,8 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
-    """fairseq's model arguments (arch `transformer`); it fills the rest from its base_architecture."""
+def fairseq_args(cfg: ModelConfig) -> dict[str, Any]:
+    """fairseq's model arguments (arch `transformer`), every one its base_architecture and build_model set:
+    fairseq runs base_architecture on a saved config's model section with the section open, where a missing
+    key reads as None rather than as its default (decoder_output_dim None built a projection no weights
+    fill), and build_model with it closed, where adding a key fails (min_params_to_wrap)."""
     sides = {
         "layers": (cfg.encoder_layers, cfg.decoder_layers),
         "embed_dim": (cfg.embed_dim, cfg.embed_dim),
@@ -84,22 +102,23 @@ def fairseq_args(cfg: ModelConfig) -> argparse.Namespace:
         "normalize_before": (build_scheme(cfg).normalize_before,) * 2,
         "learned_pos": (cfg.learned_pos, cfg.learned_pos),
     }
-    return argparse.Namespace(
-        arch="transformer",
+    return {
+        "arch": "transformer",
         **{f"encoder_{key}": encoder for key, (encoder, _) in sides.items()},
         **{f"decoder_{key}": decoder for key, (_, decoder) in sides.items()},
-        activation_fn="relu",
-        dropout=cfg.dropout,
-        attention_dropout=cfg.attention_dropout,
-        activation_dropout=cfg.activation_dropout,
-        share_all_embeddings=cfg.share_all_embeddings,
-        share_decoder_input_output_embed=cfg.share_decoder_input_output_embed or cfg.share_all_embeddings,
-        max_source_positions=cfg.max_positions,
-        max_target_positions=cfg.max_positions,
-        no_scale_embedding=False,
-        layernorm_embedding=False,
-        no_token_positional_embeddings=False,
-    )
+        "activation_fn": "relu",
+        "dropout": cfg.dropout,
+        "attention_dropout": cfg.attention_dropout,
+        "activation_dropout": cfg.activation_dropout,
+        "share_all_embeddings": cfg.share_all_embeddings,
+        "share_decoder_input_output_embed": cfg.share_decoder_input_output_embed or cfg.share_all_embeddings,
+        "max_source_positions": cfg.max_positions,
+        "max_target_positions": cfg.max_positions,
+        "decoder_output_dim": cfg.embed_dim,
+        "decoder_input_dim": cfg.embed_dim,
+        "min_params_to_wrap": 10**8,  # fairseq's default, for FSDP, which an export never runs under
+        **ABSENT_FEATURES,
+    }
 
 
 def fairseq_extras(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
@@ -154,27 +173,43 @@ def load_layer(path: Path, module: nn.Module) -> None:
 
 def fairseq_run_args(
     cfg: ModelConfig, train: dict[str, Any], corpus: BinarizedCorpus, out: Path, spm_files: list[Path]
-) -> argparse.Namespace:
-    """What fairseq-train records of a run: the model's arguments, the translation task over the export
-    directory `out` (its dictionaries and raw splits), the label-smoothed cross-entropy with the run's
-    smoothing averaged over target tokens, as fathom's is, the run's seed, and SentencePiece when one model
-    serves both sides (from_pretrained then translates raw text)."""
-    args = argparse.Namespace(
-        **vars(fairseq_args(cfg)),
+) -> dict[str, Any]:
+    """The run's arguments as fairseq-train's command line would give them: the model's, the translation
+    task over the export directory `out` (its dictionaries and raw splits), the label-smoothed cross-entropy
+    with the run's smoothing averaged over target tokens, as fathom's is, the run's seed, and SentencePiece
+    when one model serves both sides (from_pretrained then translates raw text)."""
+    args = {
+        **fairseq_args(cfg),
         **LINKED_DEFAULTS,
-        task="translation",
-        data=str(out.resolve()),
-        source_lang=corpus.src,
-        target_lang=corpus.tgt,
-        dataset_impl="raw",
-        criterion="label_smoothed_cross_entropy",
-        label_smoothing=train["label_smoothing"],
-        sentence_avg=False,
-        seed=train["seed"],
-    )
+        "task": "translation",
+        "data": str(out.resolve()),
+        "source_lang": corpus.src,
+        "target_lang": corpus.tgt,
+        "dataset_impl": "raw",
+        "criterion": "label_smoothed_cross_entropy",
+        "label_smoothing": train["label_smoothing"],
+        "sentence_avg": False,
+        "seed": train["seed"],
+    }
     if len(spm_files) == 1:
-        args.bpe, args.sentencepiece_model = "sentencepiece", str(out.resolve() / spm_files[0].name)
+        args.update(bpe="sentencepiece", sentencepiece_model=str(out.resolve() / spm_files[0].name))
     return args
+
+
+def fairseq_train_config(args: dict[str, Any]) -> dict[str, Any]:
+    """The config fairseq-train saves for a run of these arguments (fairseq_run_args), in plain containers:
+    fairseq 0.12.2 loads a checkpoint with torch.load's defaults, which since torch 2.6 refuse to unpickle
+    an argparse.Namespace (the `args` fathom saved before). As fairseq's own conversion does, each argument
+    sets the field of its name in every section, and the model section holds them all: arch transformer
+    has no config class, and fairseq-train saves its whole namespace there (pickled, a Namespace)."""
+    cfg = json.loads(FAIRSEQ_TRAIN_CONFIG.read_text(encoding="utf-8"))
+    for section in cfg.values():
+        if isinstance(section, dict):
+            section.update({key: args[key] for key in section.keys() & args.keys()})
+    cfg["model"] = {**args, "_name": args["arch"]}
+    if "bpe" not in args:
+        cfg["bpe"] = None  # FAIRSEQ_TRAIN_CONFIG's is SentencePiece's
+    return cfg
 
 
 def trained_with(save_dir: Path, step: int) -> dict[str, Any]:
@@ -184,10 +219,12 @@ def trained_with(save_dir: Path, step: int) -> dict[str, Any]:
     return {key: train.get(key, getattr(TrainConfig, key)) for key in ("label_smoothing", "seed")}
 
 
-def fairseq_checkpoint(args: argparse.Namespace, state: dict[str, torch.Tensor], summary: dict) -> dict:
-    """What fairseq's checkpoint_utils reads: the run's args, the weights and an optimizer history."""
+def fairseq_checkpoint(cfg: dict[str, Any], state: dict[str, torch.Tensor], summary: dict) -> dict:
+    """What fairseq's checkpoint_utils reads: the run's config (fairseq_train_config), the weights and an
+    optimizer history; `args` None, as fairseq-train saves them since 0.10."""
     return {
-        "args": args,
+        "args": None,
+        "cfg": cfg,
         "model": state,
         "optimizer_history": [
             {
@@ -290,8 +327,8 @@ class Export:
             "checked_on": f"{batch[0].size(0)} pairs of {data}/valid",
         }
         train = trained_with(self.checkpoint.parent, global_step(self.checkpoint))
-        args = fairseq_run_args(self.fairseq_cfg, train, corpus, final, spm_files)
-        save_file(fairseq_checkpoint(args, state, summary), out / CHECKPOINT)
+        cfg = fairseq_train_config(fairseq_run_args(self.fairseq_cfg, train, corpus, final, spm_files))
+        save_file(fairseq_checkpoint(cfg, state, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
             shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
         for path in spm_files:

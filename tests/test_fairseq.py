@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import shutil
 import subprocess
 from pathlib import Path
@@ -131,6 +132,72 @@ def test_fairseq_loads_exports_and_scores_identically(exported, runs, multi30k_s
         summary = json.loads((exported[case] / to_fairseq.SUMMARY).read_text())
         assert summary["max_abs_log_prob_difference"] < TOLERANCE, case
     assert (runs / "deep" / "global_step1" / "layer_106-model_states.pt").exists()
+
+
+def plain(value: object) -> bool:
+    """Only what torch.load's weights_only unpickler and JSON both know: no object of any class."""
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and plain(item) for key, item in value.items())
+    if isinstance(value, list):
+        return all(map(plain, value))
+    return value is None or isinstance(value, str | int | float | bool)
+
+
+def test_an_exports_config_is_plain_containers_with_the_runs_arguments(tmp_path):
+    """The fast tier's check of what test_exports_load_with_weights_only checks on real exports: the saved
+    config loads with weights_only=True, and each argument sits in every section with a field of its name."""
+    cfg = ModelConfig(encoder_layers=2, decoder_layers=2, embed_dim=16, ffn_dim=32, attention_heads=2,
+                      src_vocab_size=20, tgt_vocab_size=20)  # fmt: skip
+    corpus = argparse.Namespace(src="de", tgt="en")
+    args = to_fairseq.fairseq_run_args(cfg, {"label_smoothing": 0.3, "seed": 7}, corpus, tmp_path, [])
+    saved = to_fairseq.fairseq_checkpoint(to_fairseq.fairseq_train_config(args), {}, {"step": 3})
+    torch.save(saved, tmp_path / "checkpoint.pt")
+    loaded = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert loaded == saved and plain(loaded["cfg"]) and loaded["args"] is None
+    sections = loaded["cfg"]
+    assert sections["model"] == {**args, "_name": "transformer"} and sections["bpe"] is None
+    assert sections["common"]["seed"] == 7 and sections["criterion"]["label_smoothing"] == 0.3
+    assert sections["task"]["data"] == str(tmp_path.resolve()) and sections["task"]["max_source_positions"] == 1024
+    assert sections["dataset"]["dataset_impl"] == sections["task"]["dataset_impl"] == "raw"
+
+
+@pytest.mark.slow
+def test_exports_load_with_weights_only(exported):
+    """fairseq 0.12.2 loads a checkpoint with torch.load's defaults, which since torch 2.6 unpickle only
+    tensors and plain containers: an export that pickled its run's argparse.Namespace stopped
+    fairseq-interactive there with "Unsupported global: GLOBAL argparse.Namespace". Every export loads
+    with weights_only=True and nothing allowed beyond, its config held as fairseq-train records one
+    (`args` None, `cfg` plain containers, sections named by `_name`)."""
+    for case in CASES:
+        checkpoint = torch.load(exported[case] / "checkpoint.pt", weights_only=True)
+        assert checkpoint["args"] is None, case
+        cfg = checkpoint["cfg"]
+        assert plain(cfg) and plain(checkpoint["extra_state"]) and plain(checkpoint["optimizer_history"]), case
+        assert (cfg["model"]["_name"], cfg["task"]["_name"]) == ("transformer", "translation"), case
+        assert cfg["criterion"]["_name"] == "label_smoothed_cross_entropy", case
+
+
+@pytest.mark.slow
+def test_an_exports_config_is_the_one_fairseq_makes_of_its_arguments(exported, fairseq_bin, tmp_path):
+    """An export's config (model section: the run's arguments) is, section for section and field for field,
+    what fairseq 0.12.2's own convert_namespace_to_omegaconf makes of the run's arguments, as fairseq-train
+    makes the config it saves (tests/workers/fairseq_config.py), base_architecture finding nothing to add to
+    the model section; and so is fathom's config for a run without one SentencePiece model for both sides."""
+    configs = {case: torch.load(exported[case] / "checkpoint.pt", weights_only=True)["cfg"] for case in CASES}
+    arguments = {case: {k: v for k, v in cfg["model"].items() if k != "_name"} for case, cfg in configs.items()}
+    arguments["no_bpe"] = {k: v for k, v in arguments["post_ln"].items() if k not in ("bpe", "sentencepiece_model")}
+    configs["no_bpe"] = to_fairseq.fairseq_train_config(arguments["no_bpe"])
+    assert configs["no_bpe"]["bpe"] is None and configs["post_ln"]["bpe"]["_name"] == "sentencepiece"
+    files = []
+    for case, args in arguments.items():
+        (tmp_path / f"{case}.args.json").write_text(json.dumps(args))
+        files += [str(tmp_path / f"{case}.args.json"), str(tmp_path / f"{case}.cfg.json")]
+    worker = ROOT / "tests" / "workers" / "fairseq_config.py"
+    result = subprocess.run([str(fairseq_bin / "python"), str(worker), *files], capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    for case, cfg in configs.items():
+        assert json.loads((tmp_path / f"{case}.cfg.json").read_text()) == cfg, case
 
 
 def fairseq_generate(
@@ -349,6 +416,10 @@ def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_
     )
     assert result.returncode == 0, result.stderr[-4000:]
     fairseq_checkpoint = tmp_path / "fs" / "checkpoint_last.pt"
+    # fairseq-train pickles an argparse.Namespace itself, as its config's model section (arch transformer has
+    # no config class), which the import allows, as a safe global
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL argparse.Namespace"):
+        torch.load(fairseq_checkpoint, weights_only=True)
     imported = tmp_path / "imported"
     from_fairseq.main(["--fairseq-checkpoint", str(fairseq_checkpoint), "--out", str(imported)])
 
@@ -378,8 +449,7 @@ def test_fairseq_trained_model_imports_and_initializes_a_run(exported, multi30k_
 
 def fairseq_weights(export: Path) -> dict[str, torch.Tensor]:
     """An export's state dict without fairseq's bookkeeping (versions, the sinusoids' placeholders)."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        state = torch.load(export / "checkpoint.pt", weights_only=True)["model"]
+    state = torch.load(export / "checkpoint.pt", weights_only=True)["model"]
     return {key: value for key, value in state.items() if not key.endswith(("version", "_float_tensor"))}
 
 
@@ -421,7 +491,7 @@ def write_fairseq_checkpoint(path: Path, data: Path) -> None:
                       norm_scheme="post_ln", src_vocab_size=corpus.src_vocab_size,
                       tgt_vocab_size=corpus.tgt_vocab_size)  # fmt: skip
     state = Transformer(cfg).state_dict()  # fairseq's names, sinusoidal positions
-    args = to_fairseq.fairseq_args(cfg)
+    args = argparse.Namespace(**to_fairseq.fairseq_args(cfg))  # as fairseq-train saved them before 0.10
     args.task, args.data, args.source_lang, args.target_lang = "translation", str(data), corpus.src, corpus.tgt
     torch.save({"args": args, "model": {**state, "encoder.version": torch.tensor([3.0]),
                                         "decoder.version": torch.tensor([3.0])}}, path)  # fmt: skip

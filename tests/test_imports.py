@@ -186,8 +186,6 @@ COMMAND_LAYER = {
     "fathom.pipeline.launch.command.launched_processes": "the deepspeed runner's own flags, for launch",
     "fathom.pipeline.launch.command.launched_hosts": "the deepspeed runner's own flags, for launch",
     "fathom.pipeline.checkpoint.consolidated.check_supported": "zero_to_fp32's flags fathom refuses",
-    # not a command line: fairseq's run arguments, stored in the checkpoint as fairseq-train stores them
-    "fathom.convert.to_fairseq.fairseq_checkpoint": "fairseq's args, data written for fairseq",
 }
 COMMANDS = "fathom.tools."  # benchmarks and comparisons, commands whole: only scripts/ import them (ALLOWED)
 

@@ -5,6 +5,7 @@ backward on one micro-batch of the run's shape, in the run's precision. The clus
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,13 @@ def time_layers(cfg: RunConfig, sentences: int, length: int, repeats: int = 3) -
         timed, output = _forward_backward(lambda: part.run(module, inputs if isinstance(value, tuple) else inputs[0]),
                                           device, repeats)  # fmt: skip
         module.zero_grad(set_to_none=True)
+        # a large micro-batch on a CPU takes minutes a layer: each one timed is a line, as it comes
+        print(f"fathom: --time-layers: {part.name}: forward {timed.forward:.3g} s, backward {timed.backward:.3g} s",
+              file=sys.stderr, flush=True)  # fmt: skip
         return timed, output
+
+    print(f"fathom: --time-layers: timing each distinct layer on {device_name()}, {repeats + 1} runs of a micro-batch "
+          f"of {sentences} x {length} tokens each", file=sys.stderr, flush=True)  # fmt: skip
 
     times, logits = each_distinct_layer(cfg, tokens, measure)
     logits = logits.detach().requires_grad_()

@@ -221,8 +221,11 @@ def test_the_launch_line_run_as_printed_trains_what_was_planned(tmp_path, capsys
 def test_a_step_time_from_layers_timed_here(capsys):
     main(["--config", str(DEFAULT), "--gpus", "2", "--gpu-memory", "8GB", "--time-layers", "--override",
           "model.encoder_layers=2", "model.decoder_layers=2"])  # fmt: skip
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "step s" in out and "from per-layer times measured on CPU" in out
+    # each layer timed is a line as it comes (a large micro-batch on a CPU takes minutes a layer)
+    assert "fathom: --time-layers: timing each distinct layer on CPU " in err
+    assert "fathom: --time-layers: encoder.layers.0: forward " in err
 
 
 def test_a_plan_from_a_hostfile(tmp_path, capsys):

@@ -91,12 +91,12 @@ def save_file(obj: Any, path: str | Path, zipfile_serialization: bool = True) ->
         os.fsync(f.fileno())
 
 
-def try_lock(path: Path) -> IO[str] | None:
-    """The open lock file, locked exclusively, or None when another process holds it (the kernel releases
-    it however the holder ends)."""
+def try_lock(path: Path, shared: bool = False) -> IO[str] | None:
+    """The open lock file, locked exclusively (`shared`: shared, which only an exclusive holder refuses), or
+    None when another process holds it so (the kernel releases it however the holder ends)."""
     handle = open(path, "a+")  # noqa: SIM115 (kept open: closing it releases the lock)
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
         return None

@@ -16,15 +16,16 @@ import pytest
 from fathom.common import machine
 from fathom.common.checkpoint_format import MANIFEST
 from fathom.common.errors import ConfigError
+from fathom.common.files import try_lock
 from fathom.common.heap import CPU_HEAPS
 from fathom.common.jsonl import read_jsonl
-from fathom.common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, META_FILE, METRICS_FILE
+from fathom.common.run_layout import CONFIG_FILE, CONFIG_HISTORY, LATEST, LOCK_FILE, META_FILE, METRICS_FILE
 from fathom.common.sections import OnResume, parse_section, resume_rule
 from fathom.corpus.batches import SyntheticConfig
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import DEEPNORM_INITS, GROWTH, SCHEMES, BranchNorm, DeepNorm
 from fathom.model.search import SearchConfig
-from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.checkpoint.run_directory import RunDirectory, check_not_in_use
 from fathom.pipeline.config import deepspeed_values, resume_rules
 from fathom.pipeline.config.deepspeed_keys import READ_BY_INITIALIZE, Recording, pipeline_defaults
 from fathom.pipeline.config.deepspeed_sections import APPLIED, REFUSED
@@ -397,6 +398,21 @@ def test_a_save_dir_in_use_or_holding_data_is_one_line(tmp_path, capsys, monkeyp
     (tmp_path / "data" / META_FILE).write_text("{}")
     args += ["--override", f"train.save_dir={tmp_path / 'data'}"]
     assert "is a prepared data directory; choose another" in fail(capsys, args, monkeypatch=monkeypatch)
+
+
+def test_the_ranks_of_one_launch_ask_whether_the_save_dir_is_in_use_at_once(tmp_path):
+    """Every rank checks the save_dir before the process group exists; the check took the lock exclusively for
+    a moment, so a rank asking while another asked was told the save_dir `is in use by a running job` (a
+    resume under load ended with exit 2). A check in progress no longer refuses another; a run still does."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / LOCK_FILE).write_text("pid 1 on an earlier job's host\n")
+    asking = try_lock(tmp_path / "ckpt" / LOCK_FILE, shared=True)  # another rank's check, under way
+    check_not_in_use(tmp_path / "ckpt")
+    asking.close()
+    running = RunDirectory(tmp_path / "ckpt", rank=0)
+    running.open()
+    with pytest.raises(ConfigError, match="is in use by a running job"):
+        check_not_in_use(tmp_path / "ckpt")
 
 
 def test_a_run_directory_is_removed_only_if_the_run_made_it_and_saved_nothing(tmp_path):

@@ -15,6 +15,7 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.parts import fairseq_key
 from fathom.model.trained import model_config, saved_layers
 from fathom.model.transformer import Transformer
+from fathom.pipeline.checkpoint import masters
 from fathom.pipeline.checkpoint.consolidated import WEIGHTS, main, write_recovery_scripts
 from fathom.pipeline.checkpoint.masters import pipeline_names
 from fathom.pipeline.checkpoint.reshape import converter_command
@@ -130,6 +131,16 @@ def bf16_run(tmp_path_factory) -> Path:
         assert launch(ROOT / "scripts" / "train.py", *args, processes=4).returncode == 0
 
     return built_once(tmp_path_factory, "zero_to_fp32_bf16", train)
+
+
+def test_the_optimizer_files_keys_are_deepspeeds():
+    from deepspeed.checkpoint import constants
+
+    assert (masters.OPTIMIZER_STATE_DICT, masters.SINGLE_PARTITION_OF_FP32_GROUPS, masters.PARAM_SLICE_MAPPINGS) == (
+        constants.OPTIMIZER_STATE_DICT,
+        constants.SINGLE_PARTITION_OF_FP32_GROUPS,
+        constants.PARAM_SLICE_MAPPINGS,
+    )
 
 
 def deepspeeds_masters(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -192,7 +192,10 @@ class WarmRank:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended and its server reaped it before saying so: as Popen does
+                pass
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -16,13 +16,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from fathom.common.checkpoint_format import OPTIMIZER_FILE, deepspeed_state_types, load_file, model_states
 from fathom.model.model_config import ModelConfig
 from fathom.model.parts import model_parts
 from fathom.pipeline.config.deepspeed_values import precision
 
+# DeepSpeed's keys (deepspeed/checkpoint/constants.py, tests/test_zero_to_fp32.py checks them), written here:
+# reading a checkpoint needs no DeepSpeed imported (tests/test_deepspeed_internals.py)
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
 TIED = "tied_modules."  # DeepSpeed's PipelineModule keeps shared tables under this name
 
 

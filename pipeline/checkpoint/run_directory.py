@@ -31,10 +31,11 @@ def _in_use(save_dir: Path) -> ConfigError:
 
 
 def check_not_in_use(save_dir: Path) -> None:
-    """Before launch: refuses a save_dir another run is training in."""
+    """Before launch: refuses a save_dir another run is training in. Every rank of a launch asks at once, so
+    the question is a shared lock: an exclusive one made two ranks' questions refuse each other."""
     if not (save_dir / LOCK_FILE).is_file():
         return
-    handle = try_lock(save_dir / LOCK_FILE)
+    handle = try_lock(save_dir / LOCK_FILE, shared=True)
     if handle is None:
         raise _in_use(save_dir)
     handle.close()

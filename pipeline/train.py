@@ -42,6 +42,7 @@ from fathom.model.schedule import ScheduleHook
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.data_position import data_order, position_record
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
+from fathom.pipeline.config.deepspeed_settings import DeepSpeedSettings
 from fathom.pipeline.config.deepspeed_values import precision_warning
 from fathom.pipeline.config.engine_defaults import engine_config
 from fathom.pipeline.config.history import record_config
@@ -124,11 +125,11 @@ def load_weights(engine: deepspeed.PipelineEngine, checkpoint: Path) -> None:
         engine.optimizer.refresh_fp32_params()
 
 
-def apply_optimizer_settings(engine: deepspeed.PipelineEngine, ds: dict[str, Any]) -> None:
+def apply_optimizer_settings(engine: deepspeed.PipelineEngine, settings: DeepSpeedSettings) -> None:
     """After a resume, the config's learning-rate schedule and optimizer hyperparameters from the first
     resumed step on. DeepSpeed's load restores the saved param groups: their betas, eps and weight decay
     would stay the checkpoint's, and their lr until the scheduler's first step, one step late."""
-    params = ds.get("optimizer", {}).get("params", {})
+    params = {} if settings.optimizer is None else settings.optimizer.params
     for group in engine.optimizer.param_groups:
         for key in applied_optimizer_arguments():
             if key in params and key in group:
@@ -199,7 +200,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     consumed = 0
     if resume and latest_tag(save_dir) is not None:
         resumed, consumed = saving.load(engine, save_dir, cfg, corpus)
-        apply_optimizer_settings(engine, cfg.deepspeed)
+        apply_optimizer_settings(engine, cfg.settings)
     elif resume and rank == 0:
         print(f"fathom: no checkpoint in {save_dir} yet; starting from step 0", flush=True)
     if rank == 0:  # only now: a checkpoint that failed to load leaves the run's records as they were
@@ -358,7 +359,7 @@ def run(
             return Stop(reason, done, latest_tag(save_dir))
     if breakdown and rank == 0:
         print("\n".join(breakdown.summary()), flush=True)
-    if cfg.deepspeed.get("comms_logger", {}).get("enabled"):
+    if cfg.settings.comms_logger:
         # DeepSpeed times its communication ops and leaves printing them to the training loop (every rank
         # meets in it; rank 0 prints).
         deepspeed.comm.log_summary()

@@ -35,7 +35,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.corpus.filters import FilterSettings
-from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, accumulation, check_deepspeed
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, check_deepspeed
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
 from fathom.pipeline.parts.activation_trace import LayerTrace, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import choose_interval, memory_to_fit, with_interval
@@ -160,8 +160,8 @@ def plan_split(
             cfg = with_interval(cfg, choice)
     except ConfigError as err:
         return str(err)
-    interval = cfg.deepspeed["pipeline"]["activation_checkpoint_interval"]
-    micro_batches = accumulation(cfg.deepspeed, split.replicas)
+    interval = cfg.settings.checkpoint_interval
+    micro_batches = cfg.settings.accumulation(split.replicas)
     estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas, fixed=fixed)
     layers = traces[0]
     bounds = [estimate.start for estimate in estimates] + [estimates[-1].stop]
@@ -184,7 +184,7 @@ def plan_split(
 def splits(cfg: RunConfig, gpus: int) -> list[Split]:
     """Every stages x replicas that uses all the GPUs, each with the config's checkpointing and without."""
     most_stages = cfg.model.encoder_layers + cfg.model.decoder_layers
-    interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
+    interval = cfg.settings.checkpoint_interval
     return [Split(stages, gpus // stages, checkpointing)
             for checkpointing in dict.fromkeys((interval, 0))
             for stages in range(1, min(gpus, most_stages) + 1) if gpus % stages == 0]  # fmt: skip
@@ -205,7 +205,7 @@ def split_table(plans: list[tuple[Split, SplitPlan | str]], cluster: Cluster, be
     for split, plan in plans:
         interval = split.checkpoint_interval
         if isinstance(plan, SplitPlan) and interval == AUTO_INTERVAL:  # as "auto" chose it
-            interval = f"{plan.cfg.deepspeed['pipeline']['activation_checkpoint_interval']}*"
+            interval = f"{plan.cfg.settings.checkpoint_interval}*"
         head = f"{f'{split.stages} x {split.replicas}':>17} {interval:>4}"
         if isinstance(plan, str):
             lines.append(f"{head}  {plan}")
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
         print(split_table(plans, cluster, best))
         if best is None:
             raise no_plan_error(plans, cluster)
-        checkpointing = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
+        checkpointing = cfg.settings.checkpoint_interval
         shown = best if args.stages is None else chosen_split(plans, args.stages, checkpointing, cluster)
         print()
         timed_on = device_name() if args.time_layers else None

@@ -20,7 +20,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
-from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, accumulation, zero_optimization_stage
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
 from fathom.pipeline.parts.activation_trace import LayerTrace, precision, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import (
@@ -63,7 +63,7 @@ def smallest_stage_count(
         return max(s.peak for s in estimates) <= memory
 
     most = cfg.model.encoder_layers + cfg.model.decoder_layers
-    low = min(accumulation(cfg.deepspeed, data_parallel), most)
+    low = min(cfg.settings.accumulation(data_parallel), most)
     for stages in range(1, low + 1):
         if fits(stages):
             return stages
@@ -144,10 +144,10 @@ def _gib(value: float) -> str:
 def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShape, data_parallel: int) -> str:
     per_param = state_bytes(cfg)
     lines = [
-        f"{precision(cfg)}, ZeRO stage {zero_optimization_stage(cfg.deepspeed)}, "
+        f"{precision(cfg)}, ZeRO stage {cfg.settings.zero_stage}, "
         f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
-        f"tokens, {accumulation(cfg.deepspeed, data_parallel)} per step, activation checkpoint interval "
-        f"{cfg.deepspeed['pipeline'].get('activation_checkpoint_interval', 0)}",
+        f"tokens, {cfg.settings.accumulation(data_parallel)} per step, activation checkpoint interval "
+        f"{cfg.settings.checkpoint_interval}",
         f"{'stage':>5} {'layers':>11} {'params':>13} {'fixed':>8} {'weights':>8} {'grads':>8} {'optim':>8} "
         f"{'activ':>8} {'step tmp':>8} {'peak GiB':>8}",
     ]

@@ -25,7 +25,6 @@ from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
 from fathom.common.sections import bounds, parse_section
 from fathom.corpus.dataset import read_meta
 from fathom.model.search import SearchConfig
-from fathom.pipeline.config import deepspeed_values
 from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, config_file, load_config, read_json
 
 CELLS = "cells"
@@ -48,16 +47,20 @@ class Axis:
 
 
 def scheduler_params(cfg: RunConfig) -> dict[str, Any]:
-    return cfg.deepspeed.get("scheduler", {}).get("params", {})
+    scheduler = cfg.settings.scheduler
+    return {} if scheduler is None else scheduler.params
 
 
 def warmup_steps(cfg: RunConfig) -> int:
-    return int(scheduler_params(cfg).get("warmup_num_steps", 0))
+    """The warmup the base config's scheduler applies (its own default where the config gives none); 0
+    without a scheduler or warmup."""
+    scheduler = cfg.settings.scheduler
+    return 0 if scheduler is None or scheduler.warmup_num_steps is None else int(scheduler.warmup_num_steps)
 
 
 def accumulation(cfg: RunConfig) -> int:
     """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
-    return deepspeed_values.accumulation(cfg.deepspeed, replicas=1)
+    return cfg.settings.accumulation(replicas=1)
 
 
 def set_lr(lr: float, cfg: RunConfig) -> list[str]:
@@ -74,7 +77,7 @@ def set_clip(clip: float, cfg: RunConfig) -> list[str]:
 
 
 def set_accumulation(steps: float, cfg: RunConfig) -> list[str]:
-    micro = cfg.deepspeed.get("train_micro_batch_size_per_gpu", 1)
+    micro = cfg.settings.micro_batch_size
     return [f"gradient_accumulation_steps={int(steps)}", f"train_batch_size={int(steps) * micro}"]
 
 
@@ -85,9 +88,9 @@ def set_updates(steps: float, cfg: RunConfig) -> list[str]:
 
 
 AXES = (
-    Axis("lrs", "lr", lambda cfg: cfg.deepspeed["optimizer"]["params"]["lr"], set_lr),
+    Axis("lrs", "lr", lambda cfg: cfg.settings.optimizer.lr, set_lr),
     Axis("warmups", "warmup", warmup_steps, set_warmup),
-    Axis("clips", "clip", lambda cfg: cfg.deepspeed.get("gradient_clipping", 0.0), set_clip),
+    Axis("clips", "clip", lambda cfg: cfg.settings.gradient_clipping, set_clip),
     Axis("accumulations", "acc", accumulation, set_accumulation),
     Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates),
 )

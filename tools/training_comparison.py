@@ -65,12 +65,12 @@ def build(name: str, cfg: RunConfig, max_positions: int) -> tuple[nn.Module, Cal
 
 def build_scheduler(cfg: RunConfig, optimizer: torch.optim.Optimizer) -> Any:
     """The config's DeepSpeed scheduler, which the engine steps after every optimizer step; None without one."""
-    scheduler = cfg.deepspeed.get("scheduler")
+    scheduler = cfg.settings.scheduler
     if scheduler is None:
         return None
     if ours := client_scheduler(cfg.deepspeed):  # fathom's InverseSqrtLR, which the engine gets built too
         return ours(optimizer)
-    return getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler.get("params", {}))
+    return getattr(lr_schedules, scheduler.type)(optimizer, **scheduler.params)
 
 
 @torch.no_grad()
@@ -86,9 +86,9 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
     torch.manual_seed(cfg.train.seed)
     longest = int(max(train.lengths().max(), valid.lengths().max()))
     model, encode = build(name, cfg, max_positions=longest + 3)
-    accumulation = cfg.deepspeed["gradient_accumulation_steps"]
+    accumulation = cfg.settings.accumulation(replicas=1)
     data = MicroBatches(train, cfg.batch_size, cfg.train.seed)
-    params = cfg.deepspeed["optimizer"]["params"]
+    params = cfg.settings.optimizer.params
     optimizer = torch.optim.AdamW(  # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false
         model.parameters(),
         lr=params["lr"],
@@ -107,7 +107,7 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
             (src, prev), target = next(data)
             loss = label_smoothed_cross_entropy(model(src, prev), target, smoothing=cfg.train.label_smoothing)
             (loss / accumulation).backward()
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.deepspeed.get("gradient_clipping", float("inf")))
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.settings.gradient_clipping or float("inf"))  # 0: none
         optimizer.step()
         if scheduler is not None:
             scheduler.step()

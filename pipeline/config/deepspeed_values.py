@@ -68,7 +68,7 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             f'"{AUTO_INTERVAL}" (the least recomputation that fits the memory), got {interval!r}'
         )
     _require_int(ds, "steps_per_print")
-    clipping = ds.get("gradient_clipping", 0.0)
+    clipping = ds.get("gradient_clipping", 0)  # left out: DeepSpeed's 1.0 (deepspeed_settings.py), which passes
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two

@@ -22,6 +22,7 @@ from fathom.corpus.dataset import BinarizedCorpus, PreparedData, ShardedCorpus
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section, parse_model
 from fathom.model.search import SearchConfig
+from fathom.pipeline.config.deepspeed_settings import DeepSpeedSettings, deepspeed_settings
 from fathom.pipeline.config.deepspeed_values import (
     AUTO_INTERVAL,
     CHECKPOINT_INTERVAL,
@@ -189,6 +190,11 @@ class RunConfig:
     # What "auto" checkpointing chose before launch, whose interval `deepspeed` then holds for the engine
     # (pipeline/parts/auto_checkpointing.py); the run's records keep "auto", which each launch chooses anew.
     auto_checkpointing: CheckpointChoice | None = None
+
+    @property
+    def settings(self) -> DeepSpeedSettings:
+        """`deepspeed` as the engine applies it, typed (pipeline/config/deepspeed_settings.py)."""
+        return deepspeed_settings(self.deepspeed)
 
     @property
     def stages(self) -> int:

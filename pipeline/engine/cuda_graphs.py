@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from fathom.common.errors import ConfigError
 from fathom.model.layers import TransformerLayer
 from fathom.model.norms import BranchScaled
-from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, CHECKPOINT_INTERVAL
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL
 from fathom.pipeline.engine.recompute import device_generator
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ def check_cuda_graphs(cfg: RunConfig) -> None:
         raise ConfigError("train.cuda_graphs: CUDA graphs need a CUDA GPU, and torch sees none here; set it false")
     if cfg.train.compile:
         raise ConfigError("train.cuda_graphs: records the eager layers, not compiled ones; set train.compile false")
-    interval = cfg.deepspeed["pipeline"].get(CHECKPOINT_INTERVAL, 0)
+    interval = cfg.settings.checkpoint_interval
     if interval != AUTO_INTERVAL and interval < 1:  # "auto" chooses from 1 with the graphs
         raise ConfigError(
             "train.cuda_graphs: needs activation checkpointing (a layer's graph holds one micro-batch's "

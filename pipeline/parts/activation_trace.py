@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from fathom.common.errors import ConfigError
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import DTYPES, NUM_SPECIAL
-from fathom.pipeline.config import deepspeed_values
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, PipePart, pipe_parts
 
@@ -38,7 +37,7 @@ class LayerTrace:
 
 
 def precision(cfg: RunConfig) -> str:
-    if (name := deepspeed_values.precision(cfg.deepspeed)) == "fp16":
+    if (name := cfg.settings.precision) == "fp16":
         raise ConfigError("fp16: the planner knows fp32 and bf16 runs; estimate with bf16 (same sizes)")
     return name
 

@@ -156,7 +156,7 @@ def memory_to_fit(
 
 
 def requested_interval(cfg: RunConfig) -> int | str:
-    return cfg.deepspeed["pipeline"].get(CHECKPOINT_INTERVAL, 0)
+    return cfg.settings.checkpoint_interval
 
 
 def with_interval(cfg: RunConfig, choice: CheckpointChoice) -> RunConfig:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fathom.common.errors import ConfigError
-from fathom.pipeline.config.deepspeed_values import accumulation, gradients_all_reduced, zero_optimization_stage
+from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.activation_trace import LayerTrace, precision
 from fathom.pipeline.parts.stage_cuts import stage_bounds
@@ -97,8 +97,9 @@ class StageEstimate:
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
-    per_param = STATE_BYTES[precision(cfg), zero_optimization_stage(cfg.deepspeed)]
-    params = cfg.deepspeed.get("optimizer", {}).get("params", {})
+    per_param = STATE_BYTES[precision(cfg), cfg.settings.zero_stage]
+    optimizer = cfg.settings.optimizer
+    params = {} if optimizer is None else optimizer.params
     if params.get("torch_adam") and params.get("fused"):
         # torch's fused AdamW updates in place: of the step's temporaries only the flat fp32 gradients remain
         return dataclasses.replace(per_param, step=min(per_param.step, 4))
@@ -135,8 +136,8 @@ def estimate_stages(
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
     if interval is None:
-        interval = cfg.deepspeed["pipeline"].get("activation_checkpoint_interval", 0)
-    micro_batches = accumulation(cfg.deepspeed, data_parallel)
+        interval = cfg.settings.checkpoint_interval
+    micro_batches = cfg.settings.accumulation(data_parallel)
     flatten = per_param.flatten if gradients_all_reduced(data_parallel) else 0
     estimates = []
     for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
@@ -178,7 +179,7 @@ def micro_batch_shape(cfg: RunConfig, sentences: int | None, length: int) -> Mic
     token budget allows unless given."""
     if sentences is None:
         budget = cfg.data.max_tokens
-        sentences = max(1, budget // length) if budget else cfg.deepspeed["train_micro_batch_size_per_gpu"]
+        sentences = max(1, budget // length) if budget else cfg.settings.micro_batch_size
     return MicroBatchShape(sentences, length)
 
 

@@ -6,7 +6,7 @@ A checkpoint is one tag directory of a run (common/run_layout.py names the tags 
   list (tied re-uses have none); model.parts.saved_names says which module of the single-process model
   each belongs to. Plain tensors: reading them needs no DeepSpeed (translation and export).
 - `mp_rank_SS_model_states.pt` (STAGE_FILE), one per pipeline stage: DeepSpeed's counters (`global_steps`,
-  `skipped_steps`, `dp_world_size`, `ds_config`, ...) and fathom's client state, CLIENT_STATE's keys.
+  `skipped_steps`, `dp_world_size`, `ds_config`, ...) and fathom's client state, `client_state`'s keys.
 - `[bf16_]zero_pp_rank_R_mp_rank_SS_optim_states.pt` (OPTIMIZER_FILE), one per stage and data-parallel
   replica when the optimizer state is partitioned (ZeRO-1, bf16); without them each stage file holds it.
 - `fathom_manifest.json` (MANIFEST): written last, it commits the checkpoint (pipeline/checkpoint/
@@ -44,6 +44,7 @@ MANIFEST = "fathom_manifest.json"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # the first stage's (DeepSpeed's counters are on every stage's)
 STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 OPTIMIZER_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # layer_file's names
 
 # fathom's keys in DeepSpeed's client state, on every stage's STAGE_FILE.
 DATA_POSITION = "data_position"  # micro-batches read and their order (pipeline/checkpoint/data_position.py)
@@ -234,6 +235,11 @@ def global_step(checkpoint: Path) -> int:
 
 def layer_file(checkpoint: Path, index: int) -> Path:
     return checkpoint / f"layer_{index:02d}-model_states.pt"
+
+
+def layer_files(checkpoint: Path) -> list[Path]:
+    """Every layer file a checkpoint holds, whatever its model."""
+    return sorted(path for path in checkpoint.iterdir() if LAYER_FILE.fullmatch(path.name))
 
 
 def model_states(checkpoint: Path) -> dict[str, Any] | None:

@@ -45,6 +45,7 @@ from fathom.common.checkpoint_format import (
     file_damage,
     global_step,
     layer_file,
+    layer_files,
     load_file,
     manifest_files,
     new_manifest,
@@ -165,7 +166,7 @@ def check_layer_files(cfg: ModelConfig, checkpoints: list[Path]) -> list[str]:
     names = layer_names(cfg)
     for checkpoint in checkpoints:
         missing_layer_files(cfg, checkpoint)
-        if extra := sorted({path.name for path in checkpoint.glob("layer_*-model_states.pt")} - set(names)):
+        if extra := sorted({path.name for path in layer_files(checkpoint)} - set(names)):
             raise ConfigError(
                 f"{checkpoint}: has {extra[0]}, which the model in {checkpoint.parent / CONFIG_FILE} has no layer "
                 f"for; the checkpoint is from another model: {ONE_RUN}"

@@ -27,9 +27,8 @@ import torch
 from fathom.common.errors import ConfigError
 from fathom.common.files import write_atomic
 from fathom.common.run_layout import DICTIONARIES_FILE, META_FILE
-from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, UNK, ModelConfig
+from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, SPECIAL_SYMBOLS, UNK, ModelConfig
 
-SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 PADDING_FACTOR = 8  # fairseq-preprocess pads dictionaries to a multiple of 8 with madeupwordNNNN
 
 
@@ -37,7 +36,7 @@ class Dictionary:
     """fairseq's index order: <s>=0, <pad>=1, </s>=2, <unk>=3, then the file's tokens."""
 
     def __init__(self, symbols: list[str], counts: list[int]):
-        self.symbols = SPECIALS + list(symbols)
+        self.symbols = list(SPECIAL_SYMBOLS) + list(symbols)
         self.counts = [0] * NUM_SPECIAL + list(counts)
         self.index = {s: i for i, s in enumerate(self.symbols)}
 

@@ -19,6 +19,11 @@ from fathom.common.errors import ConfigError
 GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)  # cut short, not gzip, damaged inside
 
 
+def shipped_data() -> Path:
+    """Where the corpora fathom ships are (`multi30k/`), in a checkout and in an installed wheel alike."""
+    return Path(str(files("fathom.data")))
+
+
 def in_folder(folder: Path, prefix: str, lang: str) -> Path | None:
     """PREFIX.LANG, else PREFIX.LANG.gz, in `folder`; None if neither is a file."""
     return next((c for c in (folder / f"{prefix}.{lang}", folder / f"{prefix}.{lang}.gz") if c.is_file()), None)
@@ -29,7 +34,7 @@ def find_pair(prefix: str, langs: tuple[str, str]) -> tuple[Path, Path]:
     relative and neither side here) the corpus fathom ships (`multi30k/train`), so that an installed fathom
     prepares it from any directory. One side here and the other only in the shipped corpus would pair the
     lines of two corpora: refused."""
-    shipped = Path(str(files("fathom.data")))
+    shipped = shipped_data()
     folders = (Path(), shipped) if not Path(prefix).is_absolute() else (Path(),)
     for folder in folders:
         found = [in_folder(folder, prefix, lang) for lang in langs]

@@ -10,9 +10,10 @@ import torch
 from fathom.common.errors import ConfigError
 from fathom.common.sections import APPLIED, WEIGHTS, bounds
 
-# fairseq's dictionary puts these four symbols first; exported models rely on the same ids.
-BOS, PAD, EOS, UNK = 0, 1, 2, 3
-NUM_SPECIAL = 4
+# fairseq's dictionary puts these four symbols first, in this order; exported models rely on the same ids.
+SPECIAL_SYMBOLS = ("<s>", "<pad>", "</s>", "<unk>")
+BOS, PAD, EOS, UNK = range(len(SPECIAL_SYMBOLS))
+NUM_SPECIAL = len(SPECIAL_SYMBOLS)
 
 VOCAB = f" ({NUM_SPECIAL} special symbols and a word)"
 

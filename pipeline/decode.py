@@ -39,7 +39,7 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.parts import model_parts, module_names
 from fathom.model.search import CachedRows, Candidates, Choose, Hypothesis, log_probs, search
 from fathom.pipeline.config.run_config import ValidBleu
-from fathom.pipeline.engine.internals import built_stage_bounds
+from fathom.pipeline.engine.internals import built_layer, built_stage_bounds
 
 
 def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Module]]:
@@ -48,8 +48,7 @@ def stage_parts(pipe: PipelineModule, cfg: ModelConfig) -> list[tuple[str, nn.Mo
     start, stop = built_stage_bounds(pipe)[pipe.stage_id : pipe.stage_id + 2]
     parts = []
     for index, part in enumerate(model_parts(cfg)[start:stop], start):
-        module = pipe.tied_modules[part.tie] if part.tie is not None else pipe.get_submodule(str(index))
-        parts.append((part.name, module))
+        parts.append((part.name, built_layer(pipe, index, part.tie)))
     return parts
 
 

@@ -26,6 +26,7 @@ from fathom.common.figures import pyplot
 from fathom.common.files import write_atomic
 from fathom.common.jsonl import read_jsonl
 from fathom.common.run_layout import GRAD_NORMS_FILE
+from fathom.common.tables import markdown_table
 from fathom.pipeline.config.history import flat, shown
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.study.grid import (
@@ -133,11 +134,6 @@ def entry(summary: dict[str, Any] | None) -> str:
     if summary["class"] == TRAINED:
         return f"trained: {summary['valid_nll']:.2f} / {summary['shuffled_nll']:.2f}, BLEU {summary['bleu']:.1f}"
     return f"{summary['class']}: {summary['why']}"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header), *rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
 LABELS = {**{axis.key: axis.tag for axis in AXES}, "variants": ""}

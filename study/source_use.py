@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus
-from fathom.model.model_config import EOS, PAD
+from fathom.model.loss import token_losses
+from fathom.model.model_config import EOS
 from fathom.model.trained import load_reference
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, target) token ids
@@ -59,6 +59,7 @@ def nll(model: torch.nn.Module, pairs: list[Pair]) -> float:
     for start in range(0, len(order), 64):
         (src, prev), target = collate([pairs[int(i)] for i in order[start : start + 64]])
         logits = model(src, prev)
-        total += F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=PAD, reduction="sum")
-        tokens += int(target.ne(PAD).sum())
+        token_nlls = token_losses(logits, target, smoothing=0.0)[1]
+        total += token_nlls.sum()
+        tokens += token_nlls.numel()
     return total.item() / tokens

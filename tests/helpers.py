@@ -19,6 +19,7 @@ import pytest
 from fathom.common import ports
 from fathom.common.repo import ROOT
 from fathom.common.run_layout import LOCK_FILE
+from fathom.corpus.text import shipped_data
 from tests import warm_ranks
 
 
@@ -186,7 +187,7 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return path
 
 
-MULTI30K = ROOT / "data" / "multi30k"
+MULTI30K = shipped_data() / "multi30k"
 
 
 def write_slice(out: Path, name: str, lines: int, langs=("de", "en")) -> str:

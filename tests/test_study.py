@@ -510,3 +510,24 @@ def test_a_study_killed_while_evaluating_a_cell_reports_and_then_evaluates_it(tm
     assert trained == [c.name for c in cells(spec)[1:]]  # the first cell is evaluated, not trained again
     result = json.loads((cell_dir(spec, first) / CELL_FILE).read_text())
     assert (result["valid_nll"], result["bleu"], result["seconds"]) == (3.0, 30.0, seconds)
+
+
+def test_the_source_use_nll_is_the_models_per_token_nll():
+    """study/source_use.py's nats per target token are model/loss.py's unsmoothed token losses (one rule), which
+    equal torch's cross-entropy over the real tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    from fathom.corpus.batches import collate
+    from fathom.model.model_config import PAD, ModelConfig
+    from fathom.model.transformer import Transformer
+    from fathom.study.source_use import nll
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=8, ffn_dim=16, attention_heads=2,
+                                    src_vocab_size=30, tgt_vocab_size=30)).eval()  # fmt: skip
+    pairs = [(torch.randint(4, 30, (n,)), torch.randint(4, 30, (n + 1,))) for n in (3, 5, 2)]
+    (src, prev), target = collate(pairs)
+    with torch.no_grad():
+        expected = F.cross_entropy(model(src, prev).flatten(0, 1), target.flatten(), ignore_index=PAD).item()
+    assert nll(model, pairs) == pytest.approx(expected, rel=1e-6)

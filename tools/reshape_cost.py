@@ -22,7 +22,6 @@ from fathom.common.errors import ConfigError, check_number, exit_on_config_error
 from fathom.common.files import write_atomic
 from fathom.common.machine import cpu
 from fathom.common.outputs import check_writable_file
-from fathom.common.repo import ROOT
 from fathom.common.run_layout import latest_tag, step_tag, universal_tag
 from fathom.common.tables import markdown_table
 from fathom.pipeline.checkpoint.reshape import converter_command
@@ -33,7 +32,7 @@ CONVERTED = re.compile(r"fathom: resuming (.*); converted to DeepSpeed's univers
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = command_parser(__doc__)
-    parser.add_argument("--config", default=str(ROOT / "ds_configs" / "branchnorm_500L.json"))
+    parser.add_argument("--config", default="branchnorm_500L", help="a shipped config's name or a config file")
     parser.add_argument("--work", required=True, help="an empty or missing directory for the run")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--port", type=int, default=29533, help="the launcher's --master_port")
@@ -47,7 +46,7 @@ def size(path: Path) -> int:
 def launch(args: argparse.Namespace, name: str, stages: int, step: int, resume: bool) -> Measured:
     run = Path(args.work) / "run"
     command = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(stages), "--master_port", str(args.port),
-               str(ROOT / "scripts" / "train.py"), "--config", args.config, "--override", f"pipeline.stages={stages}",
+               "--module", "fathom.train", "--config", args.config, "--override", f"pipeline.stages={stages}",
                f"train.max_steps={step}", "train.save_interval=1", f"train.save_dir={run}"]  # fmt: skip
     return run_sampled(name, command + (["--resume"] if resume else []), Path(args.work) / f"{name}.log")
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fathom.common.repo import ROOT
-from fathom.corpus.text import read_lines
+from fathom.corpus.text import read_lines, shipped_data
 
-MULTI30K = ROOT / "data" / "multi30k"
+MULTI30K = shipped_data() / "multi30k"
 CHUNK = 100_000  # pairs written at a time
 
 

@@ -28,6 +28,7 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import write_atomic
 from fathom.common.heap import keep_freed_blocks
+from fathom.common.machine import native_bf16_cpu
 from fathom.common.outputs import check_writable_file
 from fathom.common.sections import check_field, check_fields
 from fathom.corpus.batches import length_batches, with_eos
@@ -85,8 +86,9 @@ def device_and_dtype(device: str | None, precision: str) -> tuple[torch.device, 
         raise ConfigError(f"--device {device}: no CUDA device here; use --device cpu")
     if where.type == "cpu" and precision == "fp16":
         raise ConfigError("--precision fp16: needs a GPU; on CPU use bf16 (where the CPU has avx512_bf16) or fp32")
-    if where.type == "cpu" and precision == "bf16" and not torch.cpu._is_avx512_bf16_supported():
-        print("fathom: warning: this CPU has no avx512_bf16: bf16 runs emulated, far slower than fp32", file=sys.stderr)
+    if where.type == "cpu" and precision == "bf16" and not native_bf16_cpu():
+        print("fathom: warning: this CPU has no avx512_bf16 or amx_bf16: bf16 runs emulated, far slower than fp32",
+              file=sys.stderr)  # fmt: skip
     return where, DTYPES[precision]
 
 

@@ -66,6 +66,12 @@ def stage_layers(pipe: PipelineModule) -> Iterator[tuple[int, int, nn.Module | C
         yield offset, int(pipe._local_start) + offset, func  # numpy's int64 after some partition methods
 
 
+def built_layer(pipe: PipelineModule, index: int, tie: str | None) -> nn.Module:
+    """The module of pipeline layer `index` on this stage: PipelineModule registers a layer under the name
+    str(index), and a shared table once, as tied_modules[tie]."""
+    return pipe.tied_modules[tie] if tie is not None else pipe.get_submodule(str(index))
+
+
 def stage_range(pipe: PipelineModule) -> range:
     """The pipeline layer indices this rank's stage holds."""
     return range(int(pipe._local_start), int(pipe._local_stop))

@@ -29,6 +29,7 @@ from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import save_file, staged
 from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import CONFIG_FILE, IMPORT_SUMMARY, LATEST
+from fathom.convert.fairseq_arguments import read_arguments
 from fathom.corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section
@@ -106,12 +107,6 @@ def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path
     if not arch.startswith("transformer"):
         raise ConfigError(f"{path}: arch '{arch}' is not a fairseq transformer; only transformer* archs convert")
 
-    def same(key: str) -> Any:
-        encoder, decoder = args.get(f"encoder_{key}"), args.get(f"decoder_{key}")
-        if encoder != decoder:
-            raise ConfigError(f"{path}: encoder_{key}={encoder} but decoder_{key}={decoder}; both sides must agree")
-        return encoder
-
     unsupported = {
         "activation_fn": ("relu", args.get("activation_fn", "relu")),
         "layernorm_embedding": (False, bool(args.get("layernorm_embedding"))),
@@ -126,21 +121,15 @@ def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path
     decoder_output_dim = args.get("decoder_output_dim") or args.get("decoder_embed_dim")
     if decoder_output_dim != args.get("decoder_embed_dim"):
         raise ConfigError(f"{path}: decoder_output_dim={decoder_output_dim} differs from decoder_embed_dim")
+    fields = read_arguments(args, path)
+    normalize_before = {bool(args.get(f"{side}_normalize_before")) for side in ("encoder", "decoder")}
+    if len(normalize_before) > 1:
+        raise ConfigError(f"{path}: encoder_normalize_before and decoder_normalize_before differ; both must agree")
     return ModelConfig(
-        encoder_layers=args.get("encoder_layers", 6),  # fairseq's base_architecture defaults
-        decoder_layers=args.get("decoder_layers", 6),
-        embed_dim=same("embed_dim"),
-        ffn_dim=same("ffn_embed_dim"),
-        attention_heads=same("attention_heads"),
-        dropout=args.get("dropout", 0.1),
-        attention_dropout=args.get("attention_dropout", 0.0),
-        activation_dropout=args.get("activation_dropout", 0.0),
-        max_positions=min(args.get("max_source_positions", 1024), args.get("max_target_positions", 1024)),
-        learned_pos=bool(same("learned_pos")),
-        share_all_embeddings=bool(args.get("share_all_embeddings")),
+        **fields,
         share_decoder_input_output_embed=bool(args.get("share_decoder_input_output_embed"))
-        and not args.get("share_all_embeddings"),
-        norm_scheme="pre_ln" if same("normalize_before") else "post_ln",
+        and not fields["share_all_embeddings"],
+        norm_scheme="pre_ln" if normalize_before.pop() else "post_ln",
         src_vocab_size=state["encoder.embed_tokens.weight"].size(0),
         tgt_vocab_size=state["decoder.embed_tokens.weight"].size(0),
     )

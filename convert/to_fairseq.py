@@ -40,6 +40,7 @@ from fathom.common.errors import ConfigError, exit_on_config_error
 from fathom.common.files import save_file, staged
 from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import checkpoint_dir
+from fathom.convert.fairseq_arguments import fairseq_arguments
 from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus, check_vocab
 from fathom.model.fold import folded
@@ -94,26 +95,14 @@ def fairseq_args(cfg: ModelConfig) -> dict[str, Any]:
     fairseq runs base_architecture on a saved config's model section with the section open, where a missing
     key reads as None rather than as its default (decoder_output_dim None built a projection no weights
     fill), and build_model with it closed, where adding a key fails (min_params_to_wrap)."""
-    sides = {
-        "layers": (cfg.encoder_layers, cfg.decoder_layers),
-        "embed_dim": (cfg.embed_dim, cfg.embed_dim),
-        "ffn_embed_dim": (cfg.ffn_dim, cfg.ffn_dim),
-        "attention_heads": (cfg.attention_heads, cfg.attention_heads),
-        "normalize_before": (build_scheme(cfg).normalize_before,) * 2,
-        "learned_pos": (cfg.learned_pos, cfg.learned_pos),
-    }
+    normalize_before = build_scheme(cfg).normalize_before
     return {
         "arch": "transformer",
-        **{f"encoder_{key}": encoder for key, (encoder, _) in sides.items()},
-        **{f"decoder_{key}": decoder for key, (_, decoder) in sides.items()},
+        **fairseq_arguments(cfg),
+        "encoder_normalize_before": normalize_before,
+        "decoder_normalize_before": normalize_before,
         "activation_fn": "relu",
-        "dropout": cfg.dropout,
-        "attention_dropout": cfg.attention_dropout,
-        "activation_dropout": cfg.activation_dropout,
-        "share_all_embeddings": cfg.share_all_embeddings,
         "share_decoder_input_output_embed": cfg.share_decoder_input_output_embed or cfg.share_all_embeddings,
-        "max_source_positions": cfg.max_positions,
-        "max_target_positions": cfg.max_positions,
         "decoder_output_dim": cfg.embed_dim,
         "decoder_input_dim": cfg.embed_dim,
         "min_params_to_wrap": 10**8,  # fairseq's default, for FSDP, which an export never runs under

@@ -635,3 +635,17 @@ def test_bad_checkpoints_and_data_fail_in_one_line(runs, multi30k_slice, tmp_pat
     assert "already exists" in message
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "data", "out"]  # no staging left behind
+
+
+def test_every_model_field_is_a_fairseq_argument_or_says_how_it_converts():
+    """The model section <-> fairseq's arguments was written three times (export, import, torchscale's peer)
+    and no test walked ModelConfig's fields: a new field exported silently wrong. Now one table
+    (convert/fairseq_arguments.py) holds each field, and the export's arguments read back to the same model."""
+    from fathom.convert.fairseq_arguments import fairseq_arguments, read_arguments, unmapped_fields
+
+    assert unmapped_fields() == []
+    cfg = ModelConfig(encoder_layers=3, decoder_layers=2, embed_dim=24, ffn_dim=40, attention_heads=3, dropout=0.2,
+                      attention_dropout=0.05, activation_dropout=0.15, max_positions=77, learned_pos=True,
+                      src_vocab_size=50, tgt_vocab_size=60)  # fmt: skip
+    read = read_arguments(fairseq_arguments(cfg), Path("checkpoint.pt"))
+    assert read == {field: getattr(cfg, field) for field in read}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fathom.common.errors import ConfigError
+from fathom.convert.fairseq_arguments import fairseq_arguments
 from fathom.model.embedding import sinusoidal_table
 from fathom.model.model_config import PAD, ModelConfig
 
@@ -64,15 +65,12 @@ def torchscale_model(cfg: ModelConfig, max_positions: int) -> nn.Module:
         raise ConfigError("model.src_vocab_size: torchscale needs equal source and target vocabularies")
     ts = import_torchscale()
     dim = cfg.embed_dim
+    # torchscale's config takes fairseq's argument names; the positions it gets from us (below)
+    shape = {name: value for name, value in fairseq_arguments(cfg).items() if "positions" not in name
+             and not name.endswith("learned_pos")}  # fmt: skip
     args = ts.Config(
-        encoder_embed_dim=dim, encoder_attention_heads=cfg.attention_heads, encoder_ffn_embed_dim=cfg.ffn_dim,
-        encoder_layers=cfg.encoder_layers,
-        decoder_embed_dim=dim, decoder_attention_heads=cfg.attention_heads, decoder_ffn_embed_dim=cfg.ffn_dim,
-        decoder_layers=cfg.decoder_layers,
-        **TORCHSCALE_SCHEMES[cfg.norm_scheme], activation_fn="relu", no_scale_embedding=False,
-        vocab_size=cfg.tgt_vocab_size, share_all_embeddings=cfg.share_all_embeddings,
-        share_decoder_input_output_embed=cfg.share_decoder_input_output_embed, dropout=cfg.dropout,
-        attention_dropout=cfg.attention_dropout, activation_dropout=cfg.activation_dropout,
+        **shape, **TORCHSCALE_SCHEMES[cfg.norm_scheme], activation_fn="relu", no_scale_embedding=False,
+        vocab_size=cfg.tgt_vocab_size, share_decoder_input_output_embed=cfg.share_decoder_input_output_embed,
     )  # fmt: skip
 
     def positions() -> nn.Module:

@@ -55,6 +55,11 @@ TRAINING_TAG = re.compile(rf"(?:{BEST}_)?{STEP_TAG.pattern}")  # what training n
 META_FILE = "meta.json"
 
 
+def translations_file(step: int) -> str:
+    """The validation set's translations at `step`, in TRANSLATIONS."""
+    return f"valid-step{step}.txt"
+
+
 def step_tag(step: int) -> str:
     """The tag of the checkpoint saved after `step` optimizer steps (DeepSpeed's own default)."""
     return f"global_step{step}"

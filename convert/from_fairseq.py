@@ -30,6 +30,7 @@ from fathom.common.files import save_file, staged
 from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import CONFIG_FILE, IMPORT_SUMMARY, LATEST
 from fathom.convert.fairseq_arguments import read_arguments
+from fathom.corpus.data_layout import dictionary_file
 from fathom.corpus.dataset import Dictionary, dictionary_digests, record_dictionaries
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section
@@ -189,7 +190,7 @@ def model_dictionaries(
         )
     dictionaries = {}
     for lang, side, size in zip(langs, ("encoder", "decoder"), (cfg.src_vocab_size, cfg.tgt_vocab_size), strict=True):
-        path = directory / f"dict.{lang}.txt"
+        path = directory / dictionary_file(lang)
         if not path.is_file():
             raise ConfigError(f"{path}: missing; {fix}")
         dictionaries[lang] = Dictionary.load(path)
@@ -223,7 +224,7 @@ def import_fairseq(
         (staging / LATEST).write_text(TAG)
         (staging / CONFIG_FILE).write_text(json.dumps({"model": model_section(cfg)}, indent=2) + "\n")
         for lang, dictionary in dictionaries.items():
-            dictionary.save(staging / f"dict.{lang}.txt")  # as prepare_data writes one, which it is compared with
+            dictionary.save(staging / dictionary_file(lang))  # as prepare_data writes one, which it is compared with
         record_dictionaries(staging, dictionary_digests(staging, dictionaries), directory.resolve())
         (staging / IMPORT_SUMMARY).write_text(json.dumps({"converted_from": str(source.resolve())}, indent=2) + "\n")
     return Imported(cfg, list(dictionaries))
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with exit_on_config_error():
         cfg, langs = import_fairseq(args.fairseq_checkpoint, args.out, args.data, args.force)
-    dictionaries = " ".join(str(Path(args.out) / f"dict.{lang}.txt") for lang in langs)
+    dictionaries = " ".join(str(Path(args.out) / dictionary_file(lang)) for lang in langs)
     print(
         f"wrote {args.out}: fairseq transformer as {cfg.norm_scheme}, {cfg.encoder_layers}L-{cfg.decoder_layers}L, "
         f"d={cfg.embed_dim}; prepare data with its dictionaries (scripts/prepare_data.py --spm-model MODEL --dict "

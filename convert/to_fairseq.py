@@ -42,6 +42,7 @@ from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import checkpoint_dir
 from fathom.convert.fairseq_arguments import fairseq_arguments
 from fathom.corpus.batches import collate
+from fathom.corpus.data_layout import dictionary_file
 from fathom.corpus.dataset import BinarizedCorpus, check_vocab
 from fathom.model.fold import folded
 from fathom.model.model_config import PAD, ModelConfig
@@ -319,7 +320,7 @@ class Export:
         cfg = fairseq_train_config(fairseq_run_args(self.fairseq_cfg, train, corpus, final, spm_files))
         save_file(fairseq_checkpoint(cfg, state, summary), out / CHECKPOINT)
         for lang in (corpus.src, corpus.tgt):
-            shutil.copy(Path(data) / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
+            shutil.copy(Path(data) / dictionary_file(lang), out / dictionary_file(lang))
         for path in spm_files:
             shutil.copy(path, out / path.name)
         for split in splits:

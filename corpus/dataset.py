@@ -27,6 +27,7 @@ import torch
 from fathom.common.errors import ConfigError
 from fathom.common.files import write_atomic
 from fathom.common.run_layout import DICTIONARIES_FILE, META_FILE
+from fathom.corpus.data_layout import dictionary_file, index_file, spm_file, token_file
 from fathom.model.model_config import EOS, NUM_SPECIAL, PAD, SPECIAL_SYMBOLS, UNK, ModelConfig
 
 PADDING_FACTOR = 8  # fairseq-preprocess pads dictionaries to a multiple of 8 with madeupwordNNNN
@@ -155,8 +156,8 @@ class PreparedData:
                 file=sys.stderr,
             )
         self.src, self.tgt = self.meta["src"], self.meta["tgt"]
-        self.src_dict = Dictionary.load(self.verified(f"dict.{self.src}.txt"))
-        self.tgt_dict = Dictionary.load(self.verified(f"dict.{self.tgt}.txt"))
+        self.src_dict = Dictionary.load(self.verified(dictionary_file(self.src)))
+        self.tgt_dict = Dictionary.load(self.verified(dictionary_file(self.tgt)))
         self.src_vocab_size, self.tgt_vocab_size = len(self.src_dict), len(self.tgt_dict)
 
     def verified(self, name: str) -> Path:
@@ -185,10 +186,10 @@ class PreparedData:
 
     def sentencepiece_model(self, lang: str) -> Path:
         """The SentencePiece model for `lang` (joint or per language)."""
-        for name in (f"spm.{lang}.model", "spm.model"):
+        for name in (spm_file(lang), spm_file(None)):
             if (self.path / name).exists():
                 return self.verified(name)
-        raise ConfigError(f"{self.path}: no SentencePiece model (spm.model or spm.{lang}.model); {RERUN}")
+        raise ConfigError(f"{self.path}: no SentencePiece model ({spm_file(None)} or {spm_file(lang)}); {RERUN}")
 
 
 class BinarizedCorpus(PreparedData):
@@ -214,13 +215,15 @@ class BinarizedCorpus(PreparedData):
         ):
             if len(sentences.data) and (largest := int(sentences.data.max())) >= size:
                 raise ConfigError(
-                    f"{path}/{split}.{lang}.bin: token id {largest}, but dict.{lang}.txt has {size} entries; the "
+                    f"{path}/{token_file(split, lang)}: token id {largest}, but {dictionary_file(lang)} has {size} "
+                    "entries; the "
                     "dictionary does not belong to this data: rerun scripts/prepare_data.py"
                 )
 
     def sentences(self, lang: str) -> IndexedDataset:
-        prefix = f"{self.split}.{lang}"
-        return IndexedDataset(self.verified(f"{prefix}.idx.npy"), self.verified(f"{prefix}.bin"), self.meta["dtype"])
+        split = self.split
+        return IndexedDataset(self.verified(index_file(split, lang)), self.verified(token_file(split, lang)),
+                              self.meta["dtype"])  # fmt: skip
 
     def references(self) -> Path:
         """The split's target side as raw text: what translations are scored against."""
@@ -241,11 +244,8 @@ class BinarizedCorpus(PreparedData):
         checksums: its directory and pair count)."""
         if self.files is None:
             return {"path": str(self.path.resolve()), "pairs": len(self)}
-        names = [f"{self.split}.{lang}.{ext}" for lang in (self.src, self.tgt) for ext in ("bin", "idx.npy")]
+        names = [name(self.split, lang) for lang in (self.src, self.tgt) for name in (token_file, index_file)]
         return {name: self.files[name]["sha256"] for name in names}
-
-
-SHARED_FILES = ("dict.{src}.txt", "dict.{tgt}.txt", "spm.model", "spm.{src}.model", "spm.{tgt}.model")
 
 
 class ShardedCorpus(PreparedData):
@@ -283,8 +283,8 @@ def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:
         raise ConfigError(
             f"data.path: shard {shard.path} is {shard.src}->{shard.tgt}, but {first.path} is {first.src}->{first.tgt}"
         )
-    for pattern in SHARED_FILES:
-        name = pattern.format(src=first.src, tgt=first.tgt)
+    langs = (first.src, first.tgt)
+    for name in (*map(dictionary_file, langs), spm_file(None), *map(spm_file, langs)):
         records = [(data.files or {}).get(name, {}).get("sha256") for data in (first, shard)]
         if records[0] != records[1] or (records[0] is None and first.files is None):
             raise ConfigError(f"data.path: shard {shard.path} has another {name} than {first.path}; {fix}")
@@ -292,7 +292,7 @@ def check_same_vocabulary(first: PreparedData, shard: PreparedData) -> None:
 
 def dictionary_digests(directory: Path, langs: Iterable[str]) -> dict[str, str]:
     """The SHA-256 of a directory's dictionaries dict.LANG.txt, by file name."""
-    names = sorted({f"dict.{lang}.txt" for lang in langs})
+    names = sorted({dictionary_file(lang) for lang in langs})
     return {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in names}
 
 

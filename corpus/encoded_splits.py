@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from fathom.corpus import filters
 from fathom.corpus.binarize import BLOCK, CHUNK, Chunk, Encoded, Workers, encode_chunk, id_dtype, remap
+from fathom.corpus.data_layout import index_file, token_file
 from fathom.corpus.filters import FilterSettings
 from fathom.corpus.raw_splits import Scan, SplitFiles
 from fathom.corpus.text import raw_lines
@@ -95,5 +96,5 @@ def write_split(
         for i in range(processor.get_piece_size()):
             if i != processor.unk_id():
                 lookup[i] = dictionary.index.get(processor.id_to_piece(i), UNK)
-        remap(tmp / f"{name}.{lang}.spm", tmp / f"{name}.{lang}.bin", lookup, id_dtype(processor.get_piece_size()))
-        write_index(tmp / f"{name}.{lang}.ends", binarized.pairs, tmp / f"{name}.{lang}.idx.npy")
+        remap(tmp / f"{name}.{lang}.spm", tmp / token_file(name, lang), lookup, id_dtype(processor.get_piece_size()))
+        write_index(tmp / f"{name}.{lang}.ends", binarized.pairs, tmp / index_file(name, lang))

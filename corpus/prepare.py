@@ -29,6 +29,7 @@ from fathom.common.outputs import check_output_dir
 from fathom.common.run_layout import META_FILE
 from fathom.corpus import filters
 from fathom.corpus.binarize import Workers, id_dtype
+from fathom.corpus.data_layout import dictionary_file
 from fathom.corpus.dataset import file_record
 from fathom.corpus.encoded_splits import binarize, write_split
 from fathom.corpus.filters import FilterSettings
@@ -108,7 +109,7 @@ def prepare(options: PrepareOptions) -> dict:
             vocab.dictionaries = count_dictionaries(vocab, langs, tmp)
         dtype = id_dtype(max(len(d) for d in vocab.dictionaries)).name
         for lang, dictionary in zip(langs, vocab.dictionaries, strict=True):
-            dictionary.save(tmp / f"dict.{lang}.txt")
+            dictionary.save(tmp / dictionary_file(lang))
         for name, split in binarized.items():
             write_split(name, split, vocab, langs, dtype, tmp)
 

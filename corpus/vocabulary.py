@@ -15,6 +15,7 @@ import sentencepiece as spm
 from fathom.common.errors import ConfigError
 from fathom.corpus import subwords
 from fathom.corpus.binarize import BLOCK, id_dtype
+from fathom.corpus.data_layout import spm_file
 from fathom.corpus.dataset import Dictionary, PreparedData
 from fathom.corpus.prepare_options import PrepareOptions
 from fathom.corpus.raw_splits import Scan, SplitFiles
@@ -73,7 +74,7 @@ def sentencepiece_models(
     """The models, in the output directory, and what meta.json records of how they came about."""
     langs = options.src, options.tgt
     if given is not None:
-        names = ("spm.model",) * 2 if given.joint else tuple(f"spm.{lang}.model" for lang in langs)
+        names = (spm_file(None),) * 2 if given.joint else tuple(map(spm_file, langs))
         for model, name in zip(given.models, names, strict=True):
             shutil.copyfile(model, tmp / name)
         source = str(options.vocab_from) if options.vocab_from else [str(m) for m in options.spm_model]
@@ -81,7 +82,7 @@ def sentencepiece_models(
         return Vocabulary((tmp / names[0], tmp / names[1]), given.dictionaries), {"given": source, **dictionaries}
     pairs = scanned.lines - len(scanned.empty)
     groups = [list(train.files)] if not options.separate_vocab else [[f] for f in train.files]
-    paths = [tmp / "spm.model"] if not options.separate_vocab else [tmp / f"spm.{lang}.model" for lang in langs]
+    paths = [tmp / spm_file(None)] if not options.separate_vocab else [tmp / spm_file(lang) for lang in langs]
     models, samples = [], []
     for files, path in zip(groups, paths, strict=True):
         total = pairs * len(files)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fathom.common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
 from fathom.common.heap import heap_for_decoding
-from fathom.common.run_layout import TRANSLATIONS, linked_best
+from fathom.common.run_layout import TRANSLATIONS, linked_best, translations_file
 from fathom.corpus.batches import MicroBatch, eval_batches
 from fathom.model.loss import token_losses
 from fathom.pipeline.config.run_config import RunConfig, build_corpus
@@ -124,7 +124,7 @@ class Validation:
         record = {"step": step, **validate(self.engine, self.batches, self.cfg.train.label_smoothing)}
         if self.bleu_set is not None:
             self.watchdog.progress(f"validation BLEU after step {step}")
-            output = Path(self.cfg.train.save_dir) / TRANSLATIONS / f"valid-step{step}.txt"
+            output = Path(self.cfg.train.save_dir) / TRANSLATIONS / translations_file(step)
             with heap_for_decoding():
                 bleu, seconds = valid_bleu(
                     self.engine, self.cfg.model, self.bleu_set, self.cfg.train.valid_bleu, output

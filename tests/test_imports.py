@@ -160,6 +160,24 @@ def test_the_run_directorys_names_are_spelled_only_in_run_layout():
     assert not spelled, "name it by its constant in common/run_layout.py"
 
 
+def test_the_names_of_a_run_s_translations_and_a_data_directory_are_spelled_once():
+    """A prepared data directory's names (dict.LANG.txt in five modules, spm.model in two, the .bin and .idx.npy
+    writer and reader apart) and a run's valid-stepN.txt were spelled wherever they were used: each is now
+    corpus/data_layout.py's or common/run_layout.py's, and a literal (or an f-string's piece) of one elsewhere
+    is refused."""
+    pieces = {"dict.", "spm.model", "spm.", ".model", ".bin", ".idx.npy", "valid-step"}
+    owners = {ROOT / "corpus" / "data_layout.py", ROOT / "common" / "run_layout.py"}
+    spelled = sorted(
+        f"{path.relative_to(ROOT)}:{line}: {text!r}"
+        for package in ALLOWED
+        for path in (ROOT / package).rglob("*.py")
+        if path not in owners
+        for line, text in string_constants(path)
+        if text in pieces
+    )
+    assert not spelled, "name it through corpus/data_layout.py or common/run_layout.py"
+
+
 def test_no_module_imports_itself_back_through_others():
     deps, cycles, state = graph(), [], {}
 

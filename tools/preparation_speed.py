@@ -42,6 +42,7 @@ from fathom.common.machine import cpu
 from fathom.common.outputs import check_makeable, check_writable_file
 from fathom.common.run_layout import META_FILE
 from fathom.common.tables import markdown_table
+from fathom.corpus.data_layout import token_file
 from fathom.corpus.prepare_options import SPM_SAMPLE
 from fathom.corpus.subwords import TRAINING_THREADS
 from fathom.corpus.text import read_lines
@@ -205,7 +206,7 @@ def fairseq_stages(args: argparse.Namespace, corpus: Path) -> dict[str, Measured
 
     sides = ",".join(str(corpus / f"train.{lang}") for lang in (SRC, TGT))
     options = {
-        "input": sides, "model_prefix": str(work / "spm"), "vocab_size": args.vocab_size,
+        "input": sides, "model_prefix": str(work / "fairseq_spm"), "vocab_size": args.vocab_size,
         "model_type": args.model_type, "character_coverage": 1.0, "bos_id": -1, "eos_id": -1,
         "num_threads": TRAINING_THREADS, "input_sentence_size": args.spm_sample, "shuffle_input_sentence": True,
     }  # fmt: skip  # fathom's settings (corpus/subwords.py train), SentencePiece's own sampling
@@ -222,7 +223,7 @@ def fairseq_stages(args: argparse.Namespace, corpus: Path) -> dict[str, Measured
     jobs = work / "encode.jobs"
     jobs.write_bytes(b"".join(f"{source}\0{target}\0".encode() for source, target in files))
     command = ["xargs", "-0", "-a", str(jobs), "-n", "2", "-P", str(args.workers), str(env_bin / "python"), "-c",
-               SPM_ENCODE, str(work / "spm.model")]  # fmt: skip
+               SPM_ENCODE, str(work / "fairseq_spm.model")]  # fmt: skip
     stages["spm encode"] = run_sampled("fairseq: spm encode", command, logs / "fairseq-spm-encode.log", env=env)
 
     command = [
@@ -249,7 +250,7 @@ def outputs(system: str, work: Path) -> dict:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if system == "fathom":
         pairs = json.loads((out / META_FILE).read_text())["splits"]["train"]["pairs"]
-        sides = {lang: pairs for lang in (SRC, TGT) if (out / f"train.{lang}.bin").stat().st_size}
+        sides = {lang: pairs for lang in (SRC, TGT) if (out / token_file("train", lang)).stat().st_size}
     else:
         sides = {lang: mmap_sentences(out / f"train.{SRC}-{TGT}.{lang}.idx") for lang in (SRC, TGT)}
     return {"train_pairs": sides, "bytes": size}

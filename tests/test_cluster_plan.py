@@ -23,7 +23,7 @@ from fathom.planner.cluster import Cluster, crossings
 from fathom.planner.cluster_plan import Split, main, plan_split
 from fathom.planner.estimate import fill_vocab_and_length
 from fathom.planner.layer_times import LayerTime, time_layers
-from tests.helpers import ROOT, launch
+from tests.helpers import ROOT, free_port, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"
 SMALL = [
@@ -199,8 +199,8 @@ def test_the_launch_line_carries_the_plans_overrides_and_its_cluster(tmp_path, c
 
 @pytest.mark.slow
 def test_the_launch_line_run_as_printed_trains_what_was_planned(tmp_path, capsys):
-    """The printed line, run by a shell from another directory, trains the planned split of the planned model
-    and precision: the run's config is the plan's."""
+    """The printed line, run by a shell from another directory (given a free --master_port), trains the planned
+    split of the planned model and precision: the run's config is the plan's."""
     save_dir = tmp_path / "run"
     given = ['bf16={"enabled": true}', "model.encoder_layers=1", "model.decoder_layers=2", "train.max_steps=1",
              f"train.save_dir={save_dir}", "data.synthetic.sentences=64"]  # fmt: skip
@@ -209,6 +209,8 @@ def test_the_launch_line_run_as_printed_trains_what_was_planned(tmp_path, capsys
     stages, replicas = map(int, re.search(r"bf16, ZeRO stage 1, (\d+) stages x (\d+) data-parallel", out).groups())
     line = next(line for line in out.splitlines() if line.startswith("launch: "))[len("launch: ") :]
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]])
+    # a port of its own: the suite's other jobs (one holds DeepSpeed's default 29500 on purpose) run beside it
+    line = line.replace("fathom-launch ", f"fathom-launch --master_port {free_port()} ", 1)
     run = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

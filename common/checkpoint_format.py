@@ -30,7 +30,8 @@ import json
 import pickle
 import re
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +47,41 @@ STAGE_FILE = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 OPTIMIZER_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 LAYER_FILE = re.compile(r"layer_(\d+)-model_states\.pt")  # layer_file's names
 
-# fathom's keys in DeepSpeed's client state, on every stage's STAGE_FILE.
-DATA_POSITION = "data_position"  # micro-batches read and their order (pipeline/checkpoint/data_position.py)
-SCHEDULE_OFFSET = "schedule_offset"  # the step train.init_from's weights started at (pipeline/train.py)
-BEST_VALUE = "best_valid_{metric}"  # the best validation value so far (pipeline/validation.py)
-# True: a best validation loss is per target token; without it, a fathom before that saved the mean of
-# the validation micro-batches' means.
+# fathom's keys in DeepSpeed's client state, on every stage's STAGE_FILE (ClientState's).
+DATA_POSITION = "data_position"
+SCHEDULE_OFFSET = "schedule_offset"
+BEST_VALUE = "best_valid_{metric}"
 LOSS_PER_TOKEN = "valid_loss_per_token"
 
 
-def client_state(best: dict[str, float], schedule_offset: int, data_position: dict[str, Any]) -> dict[str, Any]:
-    """What every checkpoint keeps beside DeepSpeed's own state; `best` is {BEST_VALUE: value}."""
-    return {**best, LOSS_PER_TOKEN: True, SCHEDULE_OFFSET: schedule_offset, DATA_POSITION: data_position}
+@dataclass(frozen=True)
+class ClientState:
+    """What every checkpoint keeps beside DeepSpeed's own state, one record for its writer (the training
+    loop) and its readers, read through `read` alone: a key an older checkpoint lacks has its meaning there."""
+
+    # the best validation value so far by metric (pipeline/validation.py); {} before any validation
+    best: dict[str, float] = field(default_factory=dict)
+    # the step train.init_from's weights started at (pipeline/train.py); 0 for a run from scratch
+    schedule_offset: int = 0
+    # micro-batches read and their order (pipeline/checkpoint/data_position.py); None: written before
+    # positions were recorded, which saved_position reconstructs from the run's config
+    data_position: dict[str, Any] | None = None
+    # a best loss is per target token; False: a fathom before that saved the mean of micro-batch means
+    loss_per_token: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        best = {BEST_VALUE.format(metric=metric): value for metric, value in self.best.items()}
+        return {**best, LOSS_PER_TOKEN: self.loss_per_token, SCHEDULE_OFFSET: self.schedule_offset,
+                DATA_POSITION: self.data_position}  # fmt: skip
+
+    @classmethod
+    def read(cls, states: Mapping[str, Any]) -> ClientState:
+        """The client state in a checkpoint's model states (DeepSpeed's client state, or a whole stage file),
+        from any fathom's checkpoint: a key it lacks means what an older fathom did."""
+        prefix = BEST_VALUE.format(metric="")
+        best = {key.removeprefix(prefix): value for key, value in states.items() if key.startswith(prefix)}
+        return cls(best, int(states.get(SCHEDULE_OFFSET, 0)), states.get(DATA_POSITION),
+                   bool(states.get(LOSS_PER_TOKEN, False)))  # fmt: skip
 
 
 def new_manifest(

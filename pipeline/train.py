@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
-from fathom.common.checkpoint_format import SCHEDULE_OFFSET, client_state, schedule_step
+from fathom.common.checkpoint_format import ClientState, schedule_step
 from fathom.common.errors import exit_on_config_error
 from fathom.common.files import write_atomic
 from fathom.common.run_layout import (
@@ -210,7 +210,7 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
         write_atomic(save_dir / DEEPSPEED_CONFIG_FILE, json.dumps(engine.config, indent=2) + "\n")
         if isinstance(corpus, PreparedData):
             write_dictionaries(save_dir, corpus)
-    offset = resumed.get(SCHEDULE_OFFSET, 0)
+    offset = ClientState.read(resumed).schedule_offset
     if cfg.train.init_from and engine.global_steps == 0:
         saving.verify_contents(cfg.train.init_from, weights_only=True)
         source = checkpoint_dir(cfg.train.init_from)
@@ -301,7 +301,8 @@ def run(
     offset = start_point.schedule_offset
 
     def state() -> dict[str, Any]:
-        return client_state(best.state(), offset, position_record(position.at(engine.global_steps), per_epoch, order))
+        where = position_record(position.at(engine.global_steps), per_epoch, order)
+        return ClientState(best.state(), offset, where).to_dict()
 
     def save(as_best: bool, why: str = "") -> None:
         watchdog.progress(f"checkpoint save after step {engine.global_steps}{why}")
@@ -344,7 +345,7 @@ def run(
                 hook(updates(engine, offset))
             record = validation(done)
             improved = best.update(record[f"valid_{best.metric}"])
-            metrics.write({**record, **best.state()})  # before the save: a resume from it keeps this record
+            metrics.write({**record, **best.record()})  # before the save: a resume from it keeps this record
             if rank == 0:
                 print(validation_line(record, best), flush=True)
             if improved:

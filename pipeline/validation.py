@@ -11,7 +11,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from fathom.common.checkpoint_format import BEST_VALUE, LOSS_PER_TOKEN, model_states
+from fathom.common.checkpoint_format import BEST_VALUE, ClientState, model_states
 from fathom.common.heap import heap_for_decoding
 from fathom.common.run_layout import TRANSLATIONS, linked_best, translations_file
 from fathom.corpus.batches import MicroBatch, eval_batches
@@ -76,12 +76,12 @@ class Best:
     hand, or a crash) would otherwise let a worse model replace the better one."""
 
     def __init__(self, metric: str, save_dir: Path):
-        self.metric, self.key = metric, BEST_VALUE.format(metric=metric)
+        self.metric = metric
         self.sign = 1.0 if metric == "loss" else -1.0  # lower is better for a loss
         self.tag = linked_best(save_dir)
-        saved = (None if self.tag is None else model_states(save_dir / self.tag)) or {}
-        self.value = saved.get(self.key, self.sign * float("inf"))
-        self.mean_of_means = metric == "loss" and self.key in saved and not saved.get(LOSS_PER_TOKEN)
+        saved = ClientState.read((None if self.tag is None else model_states(save_dir / self.tag)) or {})
+        self.value = saved.best.get(metric, self.sign * float("inf"))
+        self.mean_of_means = metric == "loss" and metric in saved.best and not saved.loss_per_token
 
     def warning(self) -> str | None:
         """What a run resuming with a best loss from before losses were per target token must know."""
@@ -101,7 +101,12 @@ class Best:
         return False
 
     def state(self) -> dict[str, float]:
-        return {self.key: self.value}
+        """ClientState.best: the value by its metric."""
+        return {self.metric: self.value}
+
+    def record(self) -> dict[str, float]:
+        """What metrics.jsonl keeps beside a validation: best_valid_METRIC, as a checkpoint names it."""
+        return {BEST_VALUE.format(metric=self.metric): self.value}
 
     def text(self) -> str:
         """The value as the validation line prints it: a loss in nats with fairseq's bits beside it."""

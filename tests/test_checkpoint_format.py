@@ -144,3 +144,16 @@ def test_a_damaged_latest_is_one_line_naming_it(tmp_path, content, problem):
     (tmp_path / "global_step10" / MANIFEST).unlink()
     with pytest.raises(ConfigError, match="the run has no committed checkpoint: remove it, or write into it"):
         latest_tag(tmp_path)
+
+
+def test_a_checkpoints_client_state_is_one_record_read_one_way():
+    """The client state was a dict the loop wrote and three modules read, each with its own default for a key an
+    older checkpoint lacks: ClientState is the record, written and read back whole, and `read` alone gives an
+    older checkpoint's missing keys their meaning (no validation yet, no init_from offset, no recorded position,
+    a best loss from before losses were per target token)."""
+    from fathom.common.checkpoint_format import ClientState
+
+    now = ClientState({"loss": 3.8, "bleu": 21.5}, schedule_offset=40, data_position={"micro_batches": 8})
+    assert ClientState.read({"global_steps": 9, **now.to_dict()}) == now
+    assert ClientState.read({"global_steps": 9}) == ClientState({}, 0, None, loss_per_token=False)
+    assert ClientState.read({"best_valid_loss": 4.1}).best == {"loss": 4.1}

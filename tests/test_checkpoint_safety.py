@@ -21,7 +21,7 @@ from fathom.common.checkpoint_format import (
     LOSS_PER_TOKEN,
     MANIFEST,
     MODEL_STATES,
-    client_state,
+    ClientState,
     deepspeed_state_types,
     file_damage,
     load_file,
@@ -549,7 +549,7 @@ def test_a_best_loss_from_before_per_token_validation_is_named_on_resume(tmp_pat
                 "validation losses were per target token), not comparable with this run's; the first "
                 "validation below it replaces best_global_step4"
             )
-    assert client_state({"best_valid_loss": 3.8366}, 0, {})[LOSS_PER_TOKEN] is True  # what checkpoints now hold
+    assert ClientState({"loss": 3.8366}, 0, {}).to_dict()[LOSS_PER_TOKEN] is True  # what checkpoints now hold
 
 
 def test_the_validation_line_gives_each_loss_in_nats_and_fairseqs_bits(tmp_path):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fathom.common.checkpoint_format import DATA_POSITION
+from fathom.common.checkpoint_format import ClientState
 from fathom.common.errors import ConfigError
 from fathom.common.sections import OnResume
 from fathom.corpus.batches import BatchSize, ParallelCorpus, epoch_length
@@ -48,8 +48,8 @@ def saved_position(state: Mapping[str, Any], steps: int, replicas: int, trained:
     """The position a checkpoint's client `state` records. One written before positions were recorded
     had read `accumulation x replicas` micro-batches a step (then the only rule), in the order its run's
     config (`trained`, config.json) gave; its data was not recorded, so it is not compared."""
-    if DATA_POSITION in state:
-        return state[DATA_POSITION]
+    if (position := ClientState.read(state).data_position) is not None:
+        return position
     max_tokens = trained["data"].get("max_tokens")
     order = {
         "data.max_tokens": max_tokens,

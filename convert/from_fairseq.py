@@ -95,11 +95,9 @@ def read_checkpoint(path: Path) -> FairseqCheckpoint:
     if args is None:
         raise ConfigError(f"{path}: has neither 'args' nor 'cfg.model'; cannot tell its architecture")
     task = checkpoint.get("args") or cfg.get("task") or {}
-    return FairseqCheckpoint(as_dict(args), as_dict(task), checkpoint["model"])
-
-
-def as_dict(section: argparse.Namespace | dict[str, Any]) -> dict[str, Any]:
-    return vars(section) if isinstance(section, argparse.Namespace) else dict(section)
+    # a pickled Namespace is data here, not a command line: read as the dict it holds
+    args, task = (vars(s) if isinstance(s, argparse.Namespace) else dict(s) for s in (args, task))
+    return FairseqCheckpoint(args, task, checkpoint["model"])
 
 
 def model_config_from(args: dict[str, Any], state: dict[str, torch.Tensor], path: Path) -> ModelConfig:

@@ -257,21 +257,33 @@ def assert_same_training(expected: Path, actual: Path) -> None:
 
 def write_run(model, save_dir: Path, step: int = 1) -> Path:
     """A run directory holding `model` as a pipeline checkpoint (global_step{step}, `latest`), as training
-    writes it but without DeepSpeed: for tests of what reads checkpoints."""
+    writes it but without DeepSpeed, in today's format (a manifest commits it, its model states hold the
+    client state, config.json the model section as a run records it): for tests of what reads checkpoints."""
     import json
 
     import torch
 
-    from fathom.common.checkpoint_format import layer_file
+    from fathom.common.checkpoint_format import (
+        MODEL_STATES,
+        ClientState,
+        layer_file,
+        manifest_files,
+        new_manifest,
+        write_manifest,
+    )
+    from fathom.common.run_layout import CONFIG_FILE, LATEST, step_tag
+    from fathom.model.model_section import model_section
     from fathom.model.trained import saved_layers
 
-    checkpoint = save_dir / f"global_step{step}"
+    checkpoint = save_dir / step_tag(step)
     checkpoint.mkdir(parents=True)
     for index, name in saved_layers(model.cfg):
         torch.save(model.get_submodule(name).state_dict(), layer_file(checkpoint, index))
-    torch.save({"global_steps": step}, checkpoint / "mp_rank_00_model_states.pt")
-    (save_dir / "latest").write_text(checkpoint.name)
-    (save_dir / "config.json").write_text(json.dumps({"model": model.cfg.__dict__}))
+    torch.save({"global_steps": step, "skipped_steps": 0, **ClientState().to_dict()}, checkpoint / MODEL_STATES)
+    shape = {"stages": 1, "replicas": 1, "bounds": None}
+    write_manifest(checkpoint, new_manifest(checkpoint.name, step, step, manifest_files(checkpoint), shape, 1))
+    (save_dir / LATEST).write_text(checkpoint.name)
+    (save_dir / CONFIG_FILE).write_text(json.dumps({"model": model_section(model.cfg)}))
     return save_dir
 
 

@@ -238,8 +238,9 @@ def public_functions(module) -> dict[str, typing.Callable]:
 
 
 def takes_a_command_line(function: typing.Callable) -> bool:
-    """Whether a parameter is annotated argparse.Namespace (or Namespace | None), string annotations
-    resolved in the function's module; one naming what only a type checker imports stays a string."""
+    """Whether a parameter is annotated argparse.Namespace, alone or in a union (Namespace | None, Namespace |
+    dict: the latter passed before), string annotations resolved in the function's module; one naming what
+    only a type checker imports stays a string."""
     for parameter in inspect.signature(function).parameters.values():
         hint = parameter.annotation
         if isinstance(hint, str):
@@ -247,7 +248,7 @@ def takes_a_command_line(function: typing.Callable) -> bool:
                 hint = eval(hint, function.__globals__)
             except NameError:
                 pass
-        if hint in (argparse.Namespace, argparse.Namespace | None) or (isinstance(hint, str) and "Namespace" in hint):
+        if argparse.Namespace in (hint, *typing.get_args(hint)) or (isinstance(hint, str) and "Namespace" in hint):
             return True
     return False
 

@@ -22,7 +22,7 @@ from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL
 from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
-from fathom.pipeline.parts.activation_trace import LayerTrace, precision, trace_layers
+from fathom.pipeline.parts.activation_trace import LayerTrace, planned_precision, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import (
     BUDGET_KEY,
     INTERVAL_KEY,
@@ -144,7 +144,7 @@ def _gib(value: float) -> str:
 def report(cfg: RunConfig, estimates: list[StageEstimate], shape: MicroBatchShape, data_parallel: int) -> str:
     per_param = state_bytes(cfg)
     lines = [
-        f"{precision(cfg)}, ZeRO stage {cfg.settings.zero_stage}, "
+        f"{planned_precision(cfg)}, ZeRO stage {cfg.settings.zero_stage}, "
         f"{len(estimates)} stages x {data_parallel} data-parallel, micro-batch {shape.sentences} x {shape.length} "
         f"tokens, {cfg.settings.accumulation(data_parallel)} per step, activation checkpoint interval "
         f"{cfg.settings.checkpoint_interval}",

@@ -58,7 +58,7 @@ def warmup_steps(cfg: RunConfig) -> int:
     return 0 if scheduler is None or scheduler.warmup_num_steps is None else int(scheduler.warmup_num_steps)
 
 
-def accumulation(cfg: RunConfig) -> int:
+def micro_batches_per_update(cfg: RunConfig) -> int:
     """Micro-batches per update: a study's cells run one replica (as many ranks as stages)."""
     return cfg.settings.accumulation(replicas=1)
 
@@ -91,7 +91,7 @@ AXES = (
     Axis("lrs", "lr", lambda cfg: cfg.settings.optimizer.lr, set_lr),
     Axis("warmups", "warmup", warmup_steps, set_warmup),
     Axis("clips", "clip", lambda cfg: cfg.settings.gradient_clipping, set_clip),
-    Axis("accumulations", "acc", accumulation, set_accumulation),
+    Axis("accumulations", "acc", micro_batches_per_update, set_accumulation),
     Axis("updates", "updates", lambda cfg: cfg.train.max_steps, set_updates),
 )
 AXIS = {axis.key: axis for axis in AXES}

@@ -45,7 +45,6 @@ from fathom.study.grid import (
     CELL_FILE,
     Cell,
     StudySpec,
-    accumulation,
     cell_config,
     cell_dir,
     cell_overrides,
@@ -55,6 +54,7 @@ from fathom.study.grid import (
     check_overrides,
     data_record,
     evaluation_inputs,
+    micro_batches_per_update,
     read_cell,
     read_spec,
     sittings_path,
@@ -211,7 +211,7 @@ def check(spec: StudySpec, grid: list[Cell]) -> dict[Cell, RunConfig]:
 
 
 def micro_batches(cfg: RunConfig) -> int:
-    return cfg.train.max_steps * accumulation(cfg)
+    return cfg.train.max_steps * micro_batches_per_update(cfg)
 
 
 def run(spec: StudySpec, configs: dict[Cell, RunConfig]) -> None:

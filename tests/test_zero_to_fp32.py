@@ -16,7 +16,7 @@ from fathom.model.parts import fairseq_key
 from fathom.model.trained import model_config, saved_layers
 from fathom.model.transformer import Transformer
 from fathom.pipeline.checkpoint import masters
-from fathom.pipeline.checkpoint.consolidated import WEIGHTS, main, write_recovery_scripts
+from fathom.pipeline.checkpoint.consolidated import WEIGHTS_FILE, main, write_recovery_scripts
 from fathom.pipeline.checkpoint.masters import pipeline_names
 from fathom.pipeline.checkpoint.reshape import converter_command
 from tests.helpers import ROOT, built_once, launch, snapshot, write_run
@@ -67,8 +67,8 @@ def test_an_output_dir_beside_the_run_or_the_run_itself_takes_the_weights(run, t
     tools' files beside its records (none of which is named pytorch_model.bin)."""
     for out in (tmp_path / "fp32" / "nested", run):
         main([str(run), str(out)])
-        assert capsys.readouterr().out.startswith(f"wrote {out / WEIGHTS}: {run / 'global_step7'}")
-        state = torch.load(out / WEIGHTS, weights_only=True)
+        assert capsys.readouterr().out.startswith(f"wrote {out / WEIGHTS_FILE}: {run / 'global_step7'}")
+        state = torch.load(out / WEIGHTS_FILE, weights_only=True)
         assert "encoder.layers.0.fc1.weight" in state and all(v.dtype == torch.float32 for v in state.values())
 
 
@@ -105,17 +105,17 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_behind(run, 
     new = tmp_path / "new" / "fp32"
     result = zero_to_fp32(run, str(new), file_size_limit=4096)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert result.stderr.strip() == f"fathom: error: {new / WEIGHTS}: File too large"
+    assert result.stderr.strip() == f"fathom: error: {new / WEIGHTS_FILE}: File too large"
     assert not (tmp_path / "new").exists()
 
     kept = tmp_path / "kept"
     kept.mkdir()
-    (kept / WEIGHTS).write_bytes(b"the weights written before")
+    (kept / WEIGHTS_FILE).write_bytes(b"the weights written before")
     result = zero_to_fp32(run, str(kept), file_size_limit=4096)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert result.stderr.strip() == f"fathom: error: {kept / WEIGHTS}: File too large"
-    assert [p.name for p in kept.iterdir()] == [WEIGHTS]
-    assert (kept / WEIGHTS).read_bytes() == b"the weights written before"
+    assert result.stderr.strip() == f"fathom: error: {kept / WEIGHTS_FILE}: File too large"
+    assert [p.name for p in kept.iterdir()] == [WEIGHTS_FILE]
+    assert (kept / WEIGHTS_FILE).read_bytes() == b"the weights written before"
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_a_bf16_runs_weights_are_the_optimizers_fp32_masters(bf16_run, tmp_path)
     3e-3. Now it writes those masters, equal to DeepSpeed's own reading of them, and the zero_to_fp32.py in the
     save_dir writes the same file."""
     main([str(bf16_run), str(tmp_path / "fp32")])
-    written = torch.load(tmp_path / "fp32" / WEIGHTS, weights_only=True)
+    written = torch.load(tmp_path / "fp32" / WEIGHTS_FILE, weights_only=True)
     expected = deepspeeds_masters(bf16_run / "global_step3", tmp_path / "universal")
     cfg, names = model_config(bf16_run), {}
     for prefix, part in pipeline_names(cfg).items():
@@ -185,5 +185,5 @@ def test_a_bf16_runs_weights_are_the_optimizers_fp32_masters(bf16_run, tmp_path)
 
     result = zero_to_fp32(bf16_run, str(tmp_path / "by_script"))
     assert result.returncode == 0, result.stderr[-2000:]
-    again = torch.load(tmp_path / "by_script" / WEIGHTS, weights_only=True)
+    again = torch.load(tmp_path / "by_script" / WEIGHTS_FILE, weights_only=True)
     assert set(again) == set(written) and all(torch.equal(again[key], written[key]) for key in written)

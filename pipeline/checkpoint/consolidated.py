@@ -33,7 +33,7 @@ from fathom.model.model_config import DTYPES
 from fathom.model.trained import fairseq_state_dict, load_reference, missing_layer_files, model_config
 from fathom.pipeline.checkpoint.masters import master_weights
 
-WEIGHTS = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
+WEIGHTS_FILE = "pytorch_model.bin"  # DeepSpeed's name for an unsharded state dict
 # DeepSpeed's spellings of the output precision (zero_to_torch.py --dtype)
 DTYPE_NAMES = {**{name: name for name in DTYPES}, "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None, dtype_required: bool) -> argparse.Namespa
     """DeepSpeed's zero_to_fp32.py arguments (zero_to_torch.py's with `dtype_required`)."""
     parser = command_parser(__doc__)
     parser.add_argument("checkpoint_dir", help="train.save_dir of a run")
-    parser.add_argument("output_dir", help=f"directory to write {WEIGHTS} into (made if missing)")
+    parser.add_argument("output_dir", help=f"directory to write {WEIGHTS_FILE} into (made if missing)")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag, e.g. global_step1 (default: latest)")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPE_NAMES), required=dtype_required, default=None if dtype_required else "fp32"
@@ -57,13 +57,13 @@ def parse_args(argv: list[str] | None, dtype_required: bool) -> argparse.Namespa
 
 def check_supported(args: argparse.Namespace) -> None:
     if args.max_shard_size is not None:
-        raise ConfigError(f"--max_shard_size: fathom writes the state dict as one file, {WEIGHTS}; leave it out")
+        raise ConfigError(f"--max_shard_size: fathom writes the state dict as one file, {WEIGHTS_FILE}; leave it out")
     if args.safe_serialization:
-        raise ConfigError(f"--safe_serialization: fathom writes torch's format ({WEIGHTS}); leave it out")
+        raise ConfigError(f"--safe_serialization: fathom writes torch's format ({WEIGHTS_FILE}); leave it out")
 
 
 def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[str, object]:
-    """Writes out/WEIGHTS whole or not at all (a file of that name is replaced); returns what it wrote."""
+    """Writes out/WEIGHTS_FILE whole or not at all (a file of that name is replaced); returns what it wrote."""
     cfg = model_config(save_dir)
     checkpoint = checkpoint_dir(save_dir, tag)
     missing_layer_files(cfg, checkpoint)
@@ -81,7 +81,7 @@ def consolidate(save_dir: Path, tag: str | None, out: Path, dtype: str) -> dict[
     }
     made = [folder for folder in (out, *out.parents) if not folder.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
-    path, partial = out / WEIGHTS, unique_sibling(out / WEIGHTS)
+    path, partial = out / WEIGHTS_FILE, unique_sibling(out / WEIGHTS_FILE)
     try:
         try:
             save_file(state, partial)

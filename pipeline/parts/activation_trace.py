@@ -36,7 +36,8 @@ class LayerTrace:
     checkpointable: bool
 
 
-def precision(cfg: RunConfig) -> str:
+def planned_precision(cfg: RunConfig) -> str:
+    """The run's precision as the memory planner models it: fp32 or bf16 (fp16 is refused, not guessed)."""
     if (name := cfg.settings.precision) == "fp16":
         raise ConfigError("fp16: the planner knows fp32 and bf16 runs; estimate with bf16 (same sizes)")
     return name
@@ -75,7 +76,7 @@ def each_distinct_layer(
     """measure(part, module, inputs) -> (record, output) for every spec of the model, in order, on `tokens`
     as source and target. Each distinct layer is built and measured once: a deep stack repeats the same
     layer, whose output then stands in for the next one's input. Returns the records and the last output."""
-    dtype = DTYPES[precision(cfg)]
+    dtype = DTYPES[planned_precision(cfg)]
     value: object = (tokens, tokens.clone())
     modules: dict[str, nn.Module] = {}
     done: dict[str, tuple[T, object]] = {}

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fathom.common.errors import ConfigError
 from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 from fathom.pipeline.config.run_config import RunConfig
-from fathom.pipeline.parts.activation_trace import LayerTrace, precision
+from fathom.pipeline.parts.activation_trace import LayerTrace, planned_precision
 from fathom.pipeline.parts.stage_cuts import stage_bounds
 from fathom.pipeline.reports.memory import GiB
 
@@ -97,7 +97,7 @@ class StageEstimate:
 
 
 def state_bytes(cfg: RunConfig) -> StateBytes:
-    per_param = STATE_BYTES[precision(cfg), cfg.settings.zero_stage]
+    per_param = STATE_BYTES[planned_precision(cfg), cfg.settings.zero_stage]
     optimizer = cfg.settings.optimizer
     params = {} if optimizer is None else optimizer.params
     if params.get("torch_adam") and params.get("fused"):

@@ -44,6 +44,28 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
     check_deepspeed_keys(ds, OUR_SECTIONS)
     check_sections(ds, engine_config)
     check_monitors(ds)
+    stages, interval = check_pipeline_section(ds, cfg)
+    _require_int(ds, "steps_per_print")
+    clipping = ds.get("gradient_clipping", 0)  # left out: DeepSpeed's 1.0 (deepspeed_settings.py), which passes
+    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
+        raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
+    # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
+    # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
+    if ds["pipeline"].get("use_reentrant", False) and (interval == AUTO_INTERVAL or interval > 0):
+        raise ConfigError(
+            "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
+            "a stage boundary; set it false (fathom's default: pipeline/config/engine_defaults.py)"
+        )
+    if (zero_stage := zero_optimization_stage(ds)) not in (0, 1):
+        raise ConfigError(
+            f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
+        )
+    check_batch_sizes(ds, stages, stages if world_size is None else world_size)
+    check_precision(ds, zero_stage)
+
+
+def check_pipeline_section(ds: dict[str, Any], cfg: ModelConfig) -> tuple[int, int | str]:
+    """The pipeline section's keys and values; returns its stages and checkpoint interval."""
     pipeline = ds.get("pipeline")
     if not isinstance(pipeline, dict) or "stages" not in pipeline:
         raise ConfigError('pipeline.stages: missing; add "pipeline": {"stages": S} with S pipeline stages')
@@ -67,22 +89,11 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             f"pipeline.{CHECKPOINT_INTERVAL}: expected an integer >= 0 (0: no checkpointing) or "
             f'"{AUTO_INTERVAL}" (the least recomputation that fits the memory), got {interval!r}'
         )
-    _require_int(ds, "steps_per_print")
-    clipping = ds.get("gradient_clipping", 0)  # left out: DeepSpeed's 1.0 (deepspeed_settings.py), which passes
-    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
-        raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
-    # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
-    # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
-    if pipeline.get("use_reentrant", False) and (interval == AUTO_INTERVAL or interval > 0):
-        raise ConfigError(
-            "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
-            "a stage boundary; set it false (fathom's default: pipeline/config/engine_defaults.py)"
-        )
-    if (zero_stage := zero_optimization_stage(ds)) not in (0, 1):
-        raise ConfigError(
-            f"zero_optimization.stage: {zero_stage} is not supported by DeepSpeed's pipeline engine; use 0 or 1"
-        )
-    world_size = stages if world_size is None else world_size
+    return stages, interval
+
+
+def check_batch_sizes(ds: dict[str, Any], stages: int, world_size: int) -> None:
+    """The batch keys against the launch's processes: stages x data-parallel replicas."""
     if world_size % stages:
         raise ConfigError(
             f"pipeline.stages: {world_size} processes cannot be split into {stages} stages; "
@@ -111,6 +122,10 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
             f"train_batch_size: {total} is not a multiple of train_micro_batch_size_per_gpu {micro} x "
             f"{data_parallel} data-parallel ranks"
         )
+
+
+def check_precision(ds: dict[str, Any], zero_stage: int) -> None:
+    """fp16 and bf16: at most one, and each only where DeepSpeed trains and resumes it correctly."""
     for section in ("fp16", "bf16"):
         if not isinstance(ds.get(section, {}), dict):
             raise ConfigError(f'{section}: expected an object like {{"enabled": true}}')

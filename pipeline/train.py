@@ -244,29 +244,29 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper
     baseline_memory = current_bytes()
     rank = dist.get_rank()
     stopper = stopper or Stopper(rank)
-    save_dir = RunDirectory(Path(cfg.train.save_dir), rank)
+    run_dir = RunDirectory(Path(cfg.train.save_dir), rank)
     try:
-        save_dir.open()
+        run_dir.open()
         engine = build_engine(cfg)
-        watchdog = Watchdog(save_dir.path, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
+        watchdog = Watchdog(run_dir.path, rank, dist.get_world_size(), cfg.train.hang_timeout).start()
         start_point = start(engine, cfg, corpus, resume)
-        stopper.training(save_dir, watchdog, lambda: engine.global_steps, cfg.train.exit_after_minutes)
+        stopper.training(run_dir, watchdog, lambda: engine.global_steps, cfg.train.exit_after_minutes)
         watch_launchers(lambda ended: stopper.request(LAUNCHER_ENDED))
         try:
             stopped = run(engine, cfg, corpus, start_point, watchdog, stopper)
         finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
             watchdog.stop()
-        report_peaks(baseline_memory, engine.stage_id, save_dir.path, cfg.auto_checkpointing)
+        report_peaks(baseline_memory, engine.stage_id, run_dir.path, cfg.auto_checkpointing)
         return stopped
     except NonFiniteError:  # a training outcome: its logs are the evidence
         stopper.ending()
         raise
     except Exception:
         stopper.ending()
-        save_dir.abandon()
+        run_dir.abandon()
         raise
     finally:
-        save_dir.close()
+        run_dir.close()
 
 
 def run(

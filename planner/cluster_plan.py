@@ -352,13 +352,13 @@ def planned_config(
     prepared yet, and the length is then prepare_data.py's longest (its --max-len, and eos) unless given,
     or model.max_positions where that is less (a run refuses longer pairs)."""
     if vocab_size is None:
+        cfg = load_config(config, overrides, world_size=None)
         try:
-            cfg = load_config(config, overrides, world_size=None)
+            return cfg, fill_vocab_and_length(cfg, length)
         except DataNotPreparedError as err:
             raise ConfigError(f"{err}; or plan without it: --vocab-size V [--length L]") from None
-        return cfg, fill_vocab_and_length(cfg, length)
     vocab = [f"model.src_vocab_size={vocab_size}", f"model.tgt_vocab_size={vocab_size}"]
-    cfg = load_config(config, [*overrides, "data.path=null", *vocab], world_size=None)
+    cfg = load_config(config, [*overrides, *vocab], world_size=None)
     if length is not None:
         return cfg, check_length(cfg, length, given=True)
     return cfg, min(FilterSettings().max_len + 1, cfg.model.max_positions)

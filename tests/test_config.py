@@ -680,3 +680,18 @@ def test_a_bare_name_finds_the_shipped_config_past_a_directory_and_an_explicit_p
     assert load_config("default", world_size=None).model == load_config(DEFAULT, world_size=None).model
     assert "cannot read the config (Is a directory)" in fail(capsys, ["--config", "./default"], monkeypatch=monkeypatch)
     assert list(tmp_path.iterdir()) == [tmp_path / "default"]
+
+
+def test_a_config_whose_data_is_not_prepared_reads_and_its_data_is_refused_where_it_is_read(tmp_path):
+    """DataConfig read the disk when a config was parsed, so the planner had to override data.path=null to plan a
+    recipe before its data exists: the config now reads without the data, and the data is refused, in the same
+    line, where it is read."""
+    from pathlib import Path
+
+    from fathom.pipeline.config.run_config import DataNotPreparedError, build_corpus, load_config
+
+    cfg = load_config("branchnorm_table2_wmt14_en_fr_6L-6L", ["model.src_vocab_size=40008",
+                      "model.tgt_vocab_size=40008"], world_size=None)  # fmt: skip
+    assert cfg.data.path and not (Path(cfg.data.path) / META_FILE).exists()
+    with pytest.raises(DataNotPreparedError, match=r"is not a prepared data directory; run scripts/prepare_data.py"):
+        build_corpus(cfg)

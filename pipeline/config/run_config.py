@@ -66,6 +66,11 @@ class DataConfig:
             raise ConfigError(f"data.path: {self.path} names a shard twice; give each once")
         for path in self.shards:
             check_no_tilde(path, "data.path")
+
+    def check_prepared(self) -> None:
+        """Each shard is a prepared data directory: asked where the data is read, not when the config is,
+        so a plan (or anything else that reads no data) needs none."""
+        for path in self.shards:
             if not (Path(path) / META_FILE).exists():
                 raise DataNotPreparedError(
                     f"data.path: {path} is not a prepared data directory; run scripts/prepare_data.py"
@@ -340,6 +345,7 @@ def build_corpus(cfg: RunConfig, split: str = "train", checksums: bool = True) -
     """The split of the run's data; `checksums`: verify its files' checksums, not only their sizes."""
     if cfg.data.directory is None:
         return SyntheticTranslation(cfg.data.synthetic, split)
+    cfg.data.check_prepared()
     if split == "train" and len(cfg.data.shards) > 1:
         return ShardedCorpus(cfg.data.shards, split, checksums)
     return BinarizedCorpus(cfg.data.directory, split, checksums)

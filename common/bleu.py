@@ -29,3 +29,9 @@ def bleu_metric(lang: str | None, **options: object) -> BLEU:
             f"BLEU for {lang}: sacreBLEU tokenizes it with {tokenize}, which needs {EXTRAS[tokenize]}: "
             f"pip install '{EXTRAS[tokenize]}'"
         ) from None
+
+
+def corpus_bleu(hypotheses: list[str], references: list[str], lang: str | None) -> float:
+    """sacreBLEU's corpus BLEU of `hypotheses` against one reference each, as its command scores `lang`: the
+    number validation (train.valid_bleu) and the depth study compare."""
+    return bleu_metric(lang).corpus_score(hypotheses, [references]).score

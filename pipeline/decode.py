@@ -28,7 +28,7 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from torch import nn
 
-from fathom.common.bleu import bleu_metric
+from fathom.common.bleu import corpus_bleu
 from fathom.common.files import write_atomic
 from fathom.corpus.batches import ParallelCorpus, length_batches, with_eos
 from fathom.corpus.dataset import BinarizedCorpus
@@ -183,7 +183,7 @@ def valid_bleu(
         dist.all_gather_object(shares, mine, group=grid.get_data_parallel_group())
         size = len(shares)
         translations = [data.detokenize(shares[i % size][i // size]) for i in range(len(data.sources))]
-        score += bleu_metric(data.lang).corpus_score(translations, [data.references]).score
+        score += corpus_bleu(translations, data.references, data.lang)
         if grid.get_data_parallel_rank() == 0:
             output.parent.mkdir(exist_ok=True)
             write_atomic(output, "".join(line + "\n" for line in translations))

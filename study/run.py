@@ -97,11 +97,11 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
     """Validation BLEU of the run's latest checkpoint with the incremental beam search (generate.py's), with
     the study's search settings."""
-    from fathom.common.bleu import bleu_metric
+    from fathom.common.bleu import corpus_bleu
     from fathom.translation.generate import translate_split
 
     split = translate_split(save_dir, cfg.data.directory, "valid", device="cpu", search=spec.search)
-    return bleu_metric(split.lang).corpus_score(split.hypotheses, [split.references]).score
+    return corpus_bleu(split.hypotheses, split.references, split.lang)
 
 
 def train(spec: StudySpec, cell: Cell, cfg: RunConfig, data: dict[str, Any]) -> dict[str, Any]:

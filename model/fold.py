@@ -27,9 +27,7 @@ from torch import nn
 from fathom.common.errors import ConfigError
 from fathom.model.embedding import Embedding, sinusoidal_table
 from fathom.model.layers import SUBLAYERS, Sublayer, TransformerLayer
-from fathom.model.norms import Residual, build_scheme
-from fathom.model.parts import module_names
-from fathom.model.transformer import Transformer
+from fathom.model.norms import Residual
 
 # An omega entry this close to 0 would put a huge 1/omega into the next projections.
 SMALLEST_SCALE = 1e-6
@@ -117,12 +115,3 @@ def folded(modules: Iterable[tuple[Key, nn.Module, nn.Module]]) -> Iterator[tupl
         pending = (key, target)
     if pending is not None:
         yield pending
-
-
-def fold_model(model: Transformer) -> Transformer:
-    """The fairseq-layout Transformer computing what `model` (at its current step) computes."""
-    target = Transformer(build_scheme(model.cfg).fairseq_config())
-    names = module_names(model.cfg)
-    for _ in folded((n, model.get_submodule(n), target.get_submodule(n)) for n in names):
-        pass
-    return target.eval()

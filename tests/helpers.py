@@ -287,6 +287,21 @@ def write_run(model, save_dir: Path, step: int = 1) -> Path:
     return save_dir
 
 
+def fold_model(model):
+    """The fairseq-layout Transformer computing what `model` (at its current step) computes: model/fold.py's
+    folding, which the export streams a layer at a time, over the whole model at once."""
+    from fathom.model.fold import folded
+    from fathom.model.norms import build_scheme
+    from fathom.model.parts import module_names
+    from fathom.model.transformer import Transformer
+
+    target = Transformer(build_scheme(model.cfg).fairseq_config())
+    names = module_names(model.cfg)
+    for _ in folded((n, model.get_submodule(n), target.get_submodule(n)) for n in names):
+        pass
+    return target.eval()
+
+
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     """Size and modification time of everything under `directory`: what a refusal must leave as it was."""
     return {str(p.relative_to(directory)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in directory.rglob("*")}

@@ -20,7 +20,6 @@ from fathom.convert import from_fairseq, to_fairseq
 from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus, PreparedData, check_vocab
 from fathom.corpus.prepare import main as prepare_main
-from fathom.model.fold import fold_model
 from fathom.model.model_config import ModelConfig
 from fathom.model.norms import SCHEMES
 from fathom.model.search import SearchConfig
@@ -29,7 +28,7 @@ from fathom.model.transformer import Transformer
 from fathom.pipeline.launch.checks import check_run, parse_train_args
 from fathom.tools.translation_speed import search_flags
 from fathom.translation.generate import main as generate_main
-from tests.helpers import ROOT, built_once, contents, edit_prepared, launch, write_slice
+from tests.helpers import ROOT, built_once, contents, edit_prepared, fold_model, launch, write_slice
 
 EXPORTED = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]  # the registry's
 SMALL = "model.encoder_layers=3,model.decoder_layers=3,model.embed_dim=32,model.ffn_dim=64,model.attention_heads=4"

@@ -8,10 +8,10 @@ import torch
 from fathom.common.errors import ConfigError
 from fathom.model import SCHEMES, ModelConfig
 from fathom.model.embedding import Embedding, sinusoidal_table
-from fathom.model.fold import fold_model
 from fathom.model.model_config import PAD
 from fathom.model.schedule import ScheduleHook
 from fathom.model.transformer import Transformer
+from tests.helpers import fold_model
 
 EXPORTABLE = [name for name, scheme in SCHEMES.items() if scheme.fairseq_layout is not None]
 FOLDED = [name for name in EXPORTABLE if SCHEMES[name].fairseq_layout != name]  # whose scalings export folds away

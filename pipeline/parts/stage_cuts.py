@@ -94,10 +94,6 @@ def stage_bounds(cfg: ModelConfig, stages: int) -> list[int]:
     return cut_stages(cfg, stages)[0]
 
 
-def stage_costs(cfg: ModelConfig, stages: int) -> list[int]:
-    return cut_stages(cfg, stages)[1]
-
-
 class CostBalancedPipeline(ExternallyPartitioned):
     """A PipelineModule whose stages are cut by `stage_bounds` (and which prints one line per stage
     rather than DeepSpeed's line per layer)."""

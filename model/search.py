@@ -35,7 +35,7 @@ Choose = Callable[[torch.Tensor], Candidates]
 class SearchConfig:
     """How every decoder of fathom searches (generate.py, translate.py, train.valid_bleu, the depth study's
     BLEU): one set of settings with one set of defaults, checked in one place. Each field is also a
-    command-line flag of the decoding commands (translation/translate.py's add_search_args: --max-len-a
+    command-line flag of the decoding commands (translation/decoding_flags.py's add_search_args: --max-len-a
     for max_len_a, typed by the default, with the field's metadata "help") and a train.valid_bleu key. Each
     field's bounds are in its metadata, checked wherever the settings are read (common.sections)."""
 

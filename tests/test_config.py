@@ -628,8 +628,8 @@ def test_each_choice_a_config_type_names_has_an_implementation():
 def test_every_decoder_searches_with_the_same_settings():
     """generate.py, translate.py, train.valid_bleu and the depth study read one search config: same keys,
     same defaults (the study's lenpen is its own choice), one validator."""
+    from fathom.translation.decoding_flags import search_config
     from fathom.translation.generate import parse_args
-    from fathom.translation.translate import search_config
 
     args = parse_args(["--checkpoint", "run", "--data", "data"])
     assert search_config(args) == SearchConfig()

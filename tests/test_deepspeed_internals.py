@@ -193,8 +193,8 @@ def test_reading_translating_and_converting_do_not_import_deepspeed():
     stdout, and a machine that only translates need not build it)."""
     modules = ["model", "model.parts", "model.fold", "model.trained", "corpus.prepare", "corpus.batches",
                "common.run_layout", "common.checkpoint_format", "pipeline.config", "pipeline.parts.stage_modules",
-               "translation.translate", "translation.generate", "convert.to_fairseq", "convert.from_fairseq",
-               "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
+               "translation.translate", "translation.translator", "translation.generate", "convert.to_fairseq",
+               "convert.from_fairseq", "convert.average", "pipeline.checkpoint.consolidated"]  # fmt: skip
     code = f"import importlib, sys; [importlib.import_module('fathom.' + m) for m in {modules!r}]; "
     code += "print('deepspeed' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -203,8 +203,8 @@ def test_no_module_imports_itself_back_through_others():
 
 # Functions that read a command line, which the commands share, so they live in a library module.
 COMMAND_LAYER = {
-    "fathom.translation.translate.search_config": "translate's and generate's search flags into a SearchConfig",
-    "fathom.translation.translate.command_line_translator": "their model flags into Translator.from_checkpoint",
+    "fathom.translation.decoding_flags.search_config": "translate's and generate's search flags into a SearchConfig",
+    "fathom.translation.decoding_flags.command_line_translator": "their model flags into Translator.from_checkpoint",
     "fathom.pipeline.launch.checks.check_run": "train's flags (--config, --override), checked by train and by launch",
     "fathom.pipeline.launch.command.launched_processes": "the deepspeed runner's own flags, for launch",
     "fathom.pipeline.launch.command.launched_hosts": "the deepspeed runner's own flags, for launch",

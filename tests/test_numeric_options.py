@@ -78,7 +78,7 @@ class Case:
 
 
 FINITE = "must be a finite number, got"
-SEARCH = [  # the search options every decoding command shares (translation/translate.py's add_model_args)
+SEARCH = [  # the search options every decoding command shares (translation/decoding_flags.py's add_model_args)
     ("--beam", "0", "--beam: must be at least 1, got 0"),
     ("--lenpen", "nan", f"--lenpen: {FINITE} nan"),
     ("--lenpen", "inf", f"--lenpen: {FINITE} inf"),

@@ -8,7 +8,7 @@ import pytest
 
 from fathom.pipeline.config.run_config import PAPERS, config_file, shipped_configs
 from fathom.translation.scoring import tokenized_bleu
-from fathom.translation.translate import Translator
+from fathom.translation.translator import Translator
 from tests.helpers import ROOT, launch, logged_steps
 
 # BranchNorm (Liu, Zeng, Meng, Zhou), Appendix B, Table 4, for every scale: the learning rate, its schedule

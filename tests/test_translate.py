@@ -19,11 +19,12 @@ from fathom.corpus.prepare import main as prepare_main
 from fathom.model import ModelConfig, Transformer
 from fathom.model.search import SearchConfig
 from fathom.tools.translation_speed import main as bench_translate_main
+from fathom.translation.decoding_flags import search_config
 from fathom.translation.generate import main as generate_main
 from fathom.translation.generate import parse_args as parse_generate_args
 from fathom.translation.generate import translate_split
-from fathom.translation.translate import Translator, search_config
 from fathom.translation.translate import main as translate_main
+from fathom.translation.translator import Translator
 from tests.helpers import ROOT, write_run, write_slice
 
 # A fixed output limit: with max_len_a > 0 the limit follows the batch's longest source (as fairseq's), and

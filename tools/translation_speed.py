@@ -47,15 +47,9 @@ from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.full_recompute_search import full_recompute_search
 from fathom.model.model_config import NUM_SPECIAL, ModelConfig
 from fathom.model.search import SearchConfig, beam_search
+from fathom.translation.decoding_flags import add_model_args, command_line_translator, option_name, search_config
 from fathom.translation.generate import split_batches
-from fathom.translation.translate import (
-    SearchFn,
-    Translator,
-    add_model_args,
-    command_line_translator,
-    option_name,
-    search_config,
-)
+from fathom.translation.translator import SearchFn, Translator
 
 SYSTEMS = ("incremental", "full", "fairseq")
 FAIRSEQ_ENV = Path(os.environ.get("FATHOM_FAIRSEQ_ENV", Path.home() / ".cache" / "fathom" / "fairseq-0.12.2"))

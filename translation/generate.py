@@ -29,8 +29,9 @@ from fathom.corpus.batches import fairseq_batches
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.corpus.text import read_lines
 from fathom.model.search import SearchConfig
+from fathom.translation.decoding_flags import add_model_args, search_config
 from fathom.translation.scoring import print_scores
-from fathom.translation.translate import Translator, add_model_args, search_config
+from fathom.translation.translator import Translator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

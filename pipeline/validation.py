@@ -16,7 +16,8 @@ from fathom.common.heap import heap_for_decoding
 from fathom.common.run_layout import TRANSLATIONS, linked_best, translations_file
 from fathom.corpus.batches import MicroBatch, eval_batches
 from fathom.model.loss import token_losses
-from fathom.pipeline.config.run_config import RunConfig, build_corpus
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.config.run_data import build_corpus
 from fathom.pipeline.decode import bleu_set, valid_bleu
 from fathom.pipeline.safety.watchdog import Watchdog
 

@@ -21,7 +21,8 @@ from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
 from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL
-from fathom.pipeline.config.run_config import RunConfig, build_corpus, load_config, with_vocab
+from fathom.pipeline.config.run_config import RunConfig, load_config
+from fathom.pipeline.config.run_data import build_corpus, with_vocab
 from fathom.pipeline.parts.activation_trace import LayerTrace, planned_precision, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import (
     BUDGET_KEY,

@@ -25,7 +25,8 @@ from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
 from fathom.common.sections import bounds, parse_section
 from fathom.corpus.dataset import read_meta
 from fathom.model.search import SearchConfig
-from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, config_file, load_config, read_json
+from fathom.pipeline.config.config_file import config_file, read_json
+from fathom.pipeline.config.run_config import RunConfig, check_no_tilde, load_config
 
 CELLS = "cells"
 CELL_FILE = "cell.json"  # written when a cell's training has ended, then again with its evaluation

@@ -37,8 +37,10 @@ from fathom.common.ports import free_port
 from fathom.common.run_layout import CONFIG_FILE, META_FILE, latest_tag
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.norms import SCHEMES
+from fathom.pipeline.config.config_file import read_json
 from fathom.pipeline.config.history import flat, read_back
-from fathom.pipeline.config.run_config import DataConfig, RunConfig, read_json, with_vocab
+from fathom.pipeline.config.run_config import DataConfig, RunConfig
+from fathom.pipeline.config.run_data import with_vocab
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT
 from fathom.study.grid import (
     BASELINE_FILE,

@@ -9,7 +9,7 @@ import pytest
 
 from fathom.common.errors import ConfigError
 from fathom.common.run_layout import CONFIG_FILE, DEEPSPEED_CONFIG_FILE, MEMORY_FILE
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.launch.checks import check_run, parse_train_args
 from fathom.pipeline.parts import auto_checkpointing
 from fathom.pipeline.parts.activation_trace import trace_layers

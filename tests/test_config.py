@@ -667,7 +667,7 @@ def test_a_bare_name_finds_the_shipped_config_past_a_directory_and_an_explicit_p
     none); a path with a / or a leading . is read as written, or refused in one line."""
     from pathlib import Path
 
-    from fathom.pipeline.config.run_config import config_file
+    from fathom.pipeline.config.config_file import config_file
 
     monkeypatch.chdir(tmp_path)
     shipped = config_file("default")
@@ -688,7 +688,8 @@ def test_a_config_whose_data_is_not_prepared_reads_and_its_data_is_refused_where
     line, where it is read."""
     from pathlib import Path
 
-    from fathom.pipeline.config.run_config import DataNotPreparedError, build_corpus, load_config
+    from fathom.pipeline.config.run_config import DataNotPreparedError, load_config
+    from fathom.pipeline.config.run_data import build_corpus
 
     cfg = load_config("branchnorm_table2_wmt14_en_fr_6L-6L", ["model.src_vocab_size=40008",
                       "model.tgt_vocab_size=40008"], world_size=None)  # fmt: skip

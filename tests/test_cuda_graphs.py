@@ -14,7 +14,7 @@ from fathom.model import ModelConfig, Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
 from fathom.model.norms import BranchScaled, PostNorm
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.engine import cuda_graphs
 from fathom.pipeline.engine.cuda_graphs import GraphedLayer, Recording, check_cuda_graphs, graph_layers, replayed
 from tests.helpers import ROOT, launch, trained_in_process

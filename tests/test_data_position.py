@@ -9,7 +9,8 @@ from fathom.common.errors import ConfigError
 from fathom.common.run_layout import latest_tag
 from fathom.corpus.batches import BatchSize, DataPosition, MicroBatches, epoch_batches, epoch_length
 from fathom.pipeline.checkpoint.data_position import data_order, position_record, resume_position, saved_position
-from fathom.pipeline.config.run_config import build_corpus, load_config
+from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.config.run_data import build_corpus
 from tests.helpers import ROOT, launch, logged_steps
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

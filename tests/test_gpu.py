@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fathom.model.parts import module_names
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT
 from tests.helpers import ROOT, launch
 from tests.test_stability import CONFIG, SMALL, WORKER, jsonl, same_state

@@ -12,7 +12,8 @@ import pytest
 
 from fathom.common.cli import versions
 from fathom.common.errors import ConfigError
-from fathom.pipeline.config.run_config import config_file, load_config
+from fathom.pipeline.config.config_file import config_file
+from fathom.pipeline.config.run_config import load_config
 from tests.helpers import ROOT, free_port
 
 # What a working directory may hold: nanoGPT's model.py, a project's common.py and tools/ package.

@@ -19,7 +19,8 @@ from fathom.model.model_config import PAD
 from fathom.model.schedule import ScheduleHook
 from fathom.model.search import SearchConfig, beam_search
 from fathom.model.trained import load_reference, model_config
-from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
+from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.parts.stage_cuts import stage_bounds
 from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS, pipe_parts
 from fathom.pipeline.train import profile_batch

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fathom.pipeline.config.run_config import PAPERS, config_file, shipped_configs
+from fathom.pipeline.config.config_file import PAPERS, config_file, shipped_configs
 from fathom.translation.scoring import tokenized_bleu
 from fathom.translation.translator import Translator
 from tests.helpers import ROOT, launch, logged_steps

@@ -15,7 +15,8 @@ from fathom.corpus.batches import MicroBatches
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.parts import module_names, saved_names
 from fathom.model.trained import load_reference
-from fathom.pipeline.config.run_config import build_corpus, load_config, resolve_run
+from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.parts.stage_cuts import stage_bounds
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT, describe
 from tests.helpers import ROOT, launch

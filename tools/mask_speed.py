@@ -17,7 +17,7 @@ import torch
 from fathom.common.cli import command_parser
 from fathom.common.errors import check_number, exit_on_config_error
 from fathom.corpus.batches import MicroBatches
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.engine.recompute import DropoutMasks
 from fathom.pipeline.launch.distributed import init_distributed, launched_world
 from fathom.pipeline.train import build_engine, data_position, train_step

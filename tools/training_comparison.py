@@ -28,7 +28,8 @@ from fathom.model import Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
 from fathom.pipeline.config.inverse_sqrt import client_scheduler
-from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.study.source_use import nll, with_shuffled_sources
 from fathom.tools.torchscale_peer import torchscale_model
 

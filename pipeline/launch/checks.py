@@ -19,7 +19,8 @@ from fathom.model.model_config import ModelConfig
 from fathom.model.trained import check_init_from
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.checkpoint.run_directory import check_not_in_use
-from fathom.pipeline.config.run_config import RunConfig, build_corpus, resolve_run
+from fathom.pipeline.config.run_config import RunConfig
+from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.cuda_graphs import check_cuda_graphs
 from fathom.pipeline.launch.distributed import launched_world

@@ -22,7 +22,8 @@ from fathom.common.run_layout import CONFIG_FILE
 from fathom.corpus.batches import MicroBatches
 from fathom.model.norms import build_scheme
 from fathom.model.schedule import ScheduleHook
-from fathom.pipeline.config.run_config import ValidBleu, build_corpus, resolve_run
+from fathom.pipeline.config.run_config import ValidBleu
+from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.decode import translate
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.internals import stage_range

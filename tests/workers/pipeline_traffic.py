@@ -14,7 +14,7 @@ from pathlib import Path
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fathom.common.checkpoint_format import DATA_POSITION, SCHEDULE_OFFSET
 from fathom.pipeline.checkpoint import saving
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.launch.distributed import init_distributed, run_launched
 from fathom.pipeline.train import build_engine
 

@@ -7,7 +7,7 @@ Usage: resume.py CONFIG OUT_DIR STEPS CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
 

@@ -6,7 +6,7 @@ Usage: train_cases.py CONFIG OUT_DIR CASE=OVERRIDE[,OVERRIDE...] ...
 import sys
 from pathlib import Path
 
-from fathom.pipeline.config.run_config import resolve_run
+from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
 

@@ -92,7 +92,7 @@ def candidates(
     longest = max(stop - start for start, stop in itertools.pairwise(bounds))
     found = []
     for interval in range(1 if cfg.train.cuda_graphs else 0, longest + 1):
-        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval, fixed)
+        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval, fixed, bounds)
         peaks = tuple(estimate.peak for estimate in estimates)
         found.append(Candidate(interval, peaks, recomputed_work(traces[0], costs, bounds, interval)))
     return found

@@ -129,10 +129,12 @@ def estimate_stages(
     device: str = "gpu",
     interval: int | None = None,
     fixed: int | None = None,
+    bounds: list[int] | None = None,
 ) -> list[StageEstimate]:
     """Every stage's memory when the model is cut into `stages` (as pipeline/parts/stage_cuts.py cuts it),
     checkpointing every `interval` layers (None: the config's interval, which must be a number by then), each
-    process holding `fixed` bytes whatever the model (None: the device's FIXED_BYTES)."""
+    process holding `fixed` bytes whatever the model (None: the device's FIXED_BYTES). `bounds`: the cut,
+    stage_bounds(cfg.model, stages), from a caller that estimates one cut at many intervals."""
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
     if interval is None:
@@ -140,7 +142,8 @@ def estimate_stages(
     micro_batches = cfg.settings.accumulation(data_parallel)
     flatten = per_param.flatten if gradients_all_reduced(data_parallel) else 0
     estimates = []
-    for stage, (start, stop) in enumerate(itertools.pairwise(stage_bounds(cfg.model, stages))):
+    bounds = stage_bounds(cfg.model, stages) if bounds is None else bounds
+    for stage, (start, stop) in enumerate(itertools.pairwise(bounds)):
         mine = layers[start:stop]
         inputs = [layers[i - 1] if i else None for i in range(start, stop)]  # each layer's producer
         held, recompute = 0, 0

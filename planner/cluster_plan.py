@@ -35,7 +35,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.corpus.filters import FilterSettings
-from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, check_deepspeed
+from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, BATCH_KEYS, check_deepspeed
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
 from fathom.pipeline.parts.activation_trace import LayerTrace, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import choose_interval, memory_to_fit, with_interval
@@ -57,8 +57,6 @@ from fathom.planner.layer_times import LayerTime, device_name, time_layers_here
 # DeepSpeed sends the shapes of a micro-batch's tensors ahead of them (fathom's engine has dynamic_shape
 # on): one buffer of TENSOR_META_SIZE int32 (deepspeed/runtime/pipe/engine.py).
 META_BYTES = 256 * 4
-# the batch check's keys (pipeline/config/deepspeed_values.py), with which its refusals start
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 MiB = 2**20
 
 

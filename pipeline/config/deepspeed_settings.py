@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fathom.pipeline.config import inverse_sqrt
-from fathom.pipeline.config.deepspeed_values import CHECKPOINT_INTERVAL, precision, zero_optimization_stage
+from fathom.pipeline.config.deepspeed_values import (
+    BATCH_KEYS,
+    CHECKPOINT_INTERVAL,
+    accumulation,
+    precision,
+    zero_optimization_stage,
+)
 from fathom.pipeline.config.engine_defaults import engine_config
 
 
@@ -36,8 +42,7 @@ class Scheduler:
 @dataclass(frozen=True)
 class DeepSpeedSettings:
     micro_batch_size: int  # train_micro_batch_size_per_gpu: sentences a micro-batch without data.max_tokens
-    train_batch_size: int | None
-    gradient_accumulation_steps: int | None  # as given; accumulation() derives it as DeepSpeed does
+    batch: dict[str, int]  # the batch keys the config gives, from which accumulation() derives the rest
     gradient_clipping: float  # 0: none
     precision: str  # fp32, bf16 or fp16
     zero_stage: int
@@ -50,11 +55,7 @@ class DeepSpeedSettings:
 
     def accumulation(self, replicas: int) -> int:
         """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given."""
-        if self.gradient_accumulation_steps is not None:
-            return self.gradient_accumulation_steps
-        if self.train_batch_size is not None:
-            return self.train_batch_size // (self.micro_batch_size * replicas)
-        return 1
+        return accumulation(self.batch, replicas)
 
 
 def scheduler_settings(section: dict[str, Any] | None) -> Scheduler | None:
@@ -80,8 +81,7 @@ def deepspeed_settings(ds: dict[str, Any]) -> DeepSpeedSettings:
     optimizer = engine.get("optimizer")
     return DeepSpeedSettings(
         micro_batch_size=ds["train_micro_batch_size_per_gpu"],
-        train_batch_size=ds.get("train_batch_size"),
-        gradient_accumulation_steps=ds.get("gradient_accumulation_steps"),
+        batch={key: ds[key] for key in BATCH_KEYS if key in ds},
         gradient_clipping=float(ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)),
         precision=precision(ds),
         zero_stage=zero_optimization_stage(ds),

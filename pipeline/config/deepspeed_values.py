@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ DEFAULT_PARTITION = "cost"  # pipeline/parts/stage_cuts.py
 CHECKPOINT_INTERVAL = "activation_checkpoint_interval"  # of the pipeline section
 # pipeline.activation_checkpoint_interval chosen at launch to fit the memory (pipeline/parts/auto_checkpointing.py)
 AUTO_INTERVAL = "auto"
+# DeepSpeed's batch keys, which the batch check refuses in this order: the micro-batch, then what follows from it
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
 def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = "") -> int | None:
@@ -39,7 +42,7 @@ def _require_int(ds: dict[str, Any], key: str, minimum: int = 1, section: str = 
 def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None) -> None:
     """The DeepSpeed keys a pipeline run depends on, checked the way the engine would fail on them.
     world_size None: not launched (e.g. planning); assume one pipeline replica."""
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+    for key in BATCH_KEYS:
         _require_int(ds, key)  # before DeepSpeed's own check, whose message names only the product
     check_deepspeed_keys(ds, OUR_SECTIONS)
     check_sections(ds, engine_config)
@@ -234,10 +237,11 @@ def check_partition(partition: Any, cfg: ModelConfig) -> None:
         )
 
 
-def accumulation(ds: dict[str, Any], replicas: int) -> int:
-    """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given."""
-    if "gradient_accumulation_steps" in ds:
-        return ds["gradient_accumulation_steps"]
-    if "train_batch_size" in ds:
-        return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * replicas)
+def accumulation(ds: Mapping[str, Any], replicas: int) -> int:
+    """Micro-batches each replica accumulates per step, as DeepSpeed derives it when not given; `ds` a run's
+    DeepSpeed config, or the one a checkpoint saved (DeepSpeedSettings.accumulation reads a run's)."""
+    if (given := ds.get("gradient_accumulation_steps")) is not None:
+        return given
+    if (total := ds.get("train_batch_size")) is not None:
+        return total // (ds["train_micro_batch_size_per_gpu"] * replicas)
     return 1

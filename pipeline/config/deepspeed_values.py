@@ -54,7 +54,7 @@ def check_deepspeed(ds: dict[str, Any], cfg: ModelConfig, world_size: int | None
         raise ConfigError(f"gradient_clipping: expected a number >= 0 (0: no clipping), got {clipping!r}")
     # DeepSpeed's reentrant checkpoint (its default) breaks when a checkpointed decoder layer sends two
     # float tensors (decoder state and encoder_out) across a stage boundary: its backward runs twice.
-    if ds["pipeline"].get("use_reentrant", False) and (interval == AUTO_INTERVAL or interval > 0):
+    if engine_config(ds)["pipeline"]["use_reentrant"] and (interval == AUTO_INTERVAL or interval > 0):
         raise ConfigError(
             "pipeline.use_reentrant: reentrant activation checkpointing fails when decoder activations cross "
             "a stage boundary; set it false (fathom's default: pipeline/config/engine_defaults.py)"

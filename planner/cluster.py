@@ -19,6 +19,11 @@ class Cluster:
     memory: int  # bytes per GPU
     hostfile: str | None = None  # DeepSpeed's hostfile it was read from
 
+    @property
+    def hostfile_unknown(self) -> bool:
+        """Nodes counted by --gpus: a launch on them needs a hostfile this cluster has no path for."""
+        return self.hostfile is None and len(self.nodes) > 1
+
     def node_of(self, rank: int) -> int:
         return next(node for node, end in enumerate(itertools.accumulate(self.nodes)) if rank < end)
 
@@ -72,12 +77,12 @@ def launch_command(
     planned = [f"pipeline.stages={stages}"]
     if interval != configured:
         planned.append(f"pipeline.activation_checkpoint_interval={interval}")
-    if cluster.hostfile:
-        where = ["--hostfile", cluster.hostfile]
-    elif len(cluster.nodes) == 1:
-        where = ["--num_gpus", str(cluster.gpus)]
-    else:
+    if cluster.hostfile_unknown:
         where = ["--hostfile", HOSTFILE]
+    elif cluster.hostfile:
+        where = ["--hostfile", cluster.hostfile]
+    else:
+        where = ["--num_gpus", str(cluster.gpus)]
     kept = [override for override in overrides if override.partition("=")[0].strip() not in PLANNED_KEYS]
     return shlex.join(["fathom-launch", *where, "--module", "fathom.train", "--config", config, "--override", *kept,
                        *planned, "--resume"])  # fmt: skip

@@ -266,7 +266,7 @@ def plan_details(plan: SplitPlan, shape: MicroBatchShape, cluster: Cluster, laun
             "path; communication and the optimizer's step not included)"
         )
     lines.append(f"launch: {launch}")
-    if cluster.hostfile is None and len(cluster.nodes) > 1:
+    if cluster.hostfile_unknown:
         lines.append(f"({HOSTFILE}: DeepSpeed's hostfile of the {len(cluster.nodes)} nodes, a 'HOST slots=GPUS' line "
                      "each; plan with --hostfile to have it here)")  # fmt: skip
     return "\n".join(lines)

@@ -161,10 +161,9 @@ def test_a_bf16_runs_weights_are_the_optimizers_fp32_masters(bf16_run, tmp_path)
     written = torch.load(tmp_path / "fp32" / WEIGHTS_FILE, weights_only=True)
     expected = deepspeeds_masters(bf16_run / "global_step3", tmp_path / "universal")
     cfg, names = model_config(bf16_run), {}
+    model = Transformer(cfg)
     for prefix, part in pipeline_names(cfg).items():
-        names.update(
-            {prefix + key: fairseq_key(part, key) for key in Transformer(cfg).get_submodule(part).state_dict()}
-        )
+        names.update({prefix + key: fairseq_key(part, key) for key in model.get_submodule(part).state_dict()})
     assert expected and set(expected) <= set(names)
     for name, master in expected.items():
         assert written[names[name]].dtype == torch.float32

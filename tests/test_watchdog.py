@@ -131,6 +131,24 @@ def wait_for_steps(job: subprocess.Popen, metrics: Path, steps: int) -> None:
     raise AssertionError(f"no step {steps} within 300 s")
 
 
+def running_in_group(pgid: int, grace: float) -> list[psutil.Process]:
+    """The processes of a process group still alive after `grace` seconds. DeepSpeed's launcher SIGKILLs a
+    stopped rank and exits without reaping it, so for a moment the rank is dying or a zombie that init reaps;
+    neither holds memory or a port, so neither counts."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for process in psutil.process_iter():
+            try:
+                if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     """Real launcher, 2 stages: rank 1 paused for less than hang_timeout is waited for; stopped for good,
@@ -166,8 +184,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
         stopped = time.monotonic()
         returncode = job.wait(timeout=HANG + 60)
         elapsed = time.monotonic() - stopped
-        with pytest.raises(ProcessLookupError):  # nothing of the job is left
-            os.killpg(job.pid, 0)
+        assert not running_in_group(job.pid, grace=10), "a process of the job is still running"
     finally:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:

@@ -17,11 +17,11 @@ M30K_RUN = checkpoints/multi30k_deen
 .PHONY: install mpi daemons peers demo test lint format multi30k fairseq-env-background
 
 # The last line compiles DeepSpeed's shared-memory all-reduce for CPU ranks once for this environment (about
-# 1 min; nothing on a GPU machine) into the directory its ranks use (pipeline/launch/deepspeed_op.py).
+# 1 min; nothing on a GPU machine) into the directory its ranks use (pipeline/world/deepspeed_op.py).
 install:
 	$(PYTHON) -m pip install --quiet $(TORCH)
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install --quiet -e '.[$(EXTRAS)]'
-	$(PYTHON) -m fathom.pipeline.launch.deepspeed_op
+	$(PYTHON) -m fathom.pipeline.world.deepspeed_op
 
 # mpirun for `mpirun -np N` and `deepspeed --launcher openmpi` (Debian/Ubuntu packages), installed only when
 # missing; libopenmpi-dev lets pip build mpi4py where it has no wheel.

@@ -7,8 +7,8 @@
 
 from functools import partial
 
-from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import main as train
+from fathom.pipeline.world.distributed import run_launched
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,18 +1,15 @@
-"""The training loop: builds the PipelineModule, runs DeepSpeed's engine, logs, checkpoints, resumes.
+"""One rank of a training job: builds the PipelineModule and DeepSpeed's engine, brings it to its start
+point (a resume, train.init_from, Admin's profile), and trains it (loop.py).
 
 deepspeed --num_gpus S scripts/train.py --config ds_configs/NAME.json [--override k=v ...] [--resume]
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import socket
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,19 +25,15 @@ from fathom.common.files import write_atomic
 from fathom.common.run_layout import (
     CONFIG_HISTORY,
     DEEPSPEED_CONFIG_FILE,
-    GRAD_NORMS_FILE,
-    METRICS_FILE,
     checkpoint_dir,
     latest_tag,
 )
-from fathom.corpus.batches import DataPosition, MicroBatch, MicroBatches, ParallelCorpus
+from fathom.corpus.batches import MicroBatch, MicroBatches, ParallelCorpus
 from fathom.corpus.dataset import PreparedData, write_dictionaries
 from fathom.model.layers import compile_layers
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.norms import build_scheme
-from fathom.model.schedule import ScheduleHook
 from fathom.pipeline.checkpoint import saving
-from fathom.pipeline.checkpoint.data_position import data_order, position_record
 from fathom.pipeline.checkpoint.run_directory import RunDirectory
 from fathom.pipeline.config.deepspeed_settings import DeepSpeedSettings
 from fathom.pipeline.config.deepspeed_values import precision_warning
@@ -52,30 +45,20 @@ from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.cuda_graphs import graph_layers
 from fathom.pipeline.engine.internals import checkpoint_engine, linear_duplicate_check
-from fathom.pipeline.engine.patches import patch_engine, patch_training
 from fathom.pipeline.launch.checks import check_run, parse_train_args
-from fathom.pipeline.launch.distributed import check_mpi_discovery, init_distributed, launched_world
-from fathom.pipeline.launch.slurm import adopt_slurm_world
+from fathom.pipeline.loop import StartPoint, Stop, TrainingLoop
 from fathom.pipeline.parts.specs import layer_specs
 from fathom.pipeline.parts.stage_cuts import CostBalancedPipeline
 from fathom.pipeline.parts.stage_modules import TRANSFORMER_LAYERS
+from fathom.pipeline.patches import patch_engine
 from fathom.pipeline.reports.memory import current_bytes, report_peaks
-from fathom.pipeline.reports.metrics import MetricsLog
 from fathom.pipeline.safety.divergence import NonFiniteError, exit_on_nonfinite
 from fathom.pipeline.safety.launchers import watch_launchers
 from fathom.pipeline.safety.peers import exit_on_lost_peer
 from fathom.pipeline.safety.signals import LAUNCHER_ENDED, RESUMABLE_EXIT, Stopper
-from fathom.pipeline.safety.watchdog import Watchdog
-from fathom.pipeline.validation import Best, Validation, validation_line
-
-
-@dataclass(frozen=True)
-class StartPoint:
-    """Where the loop starts: the step train.init_from's weights started the schedules at, and the
-    micro-batches the run had read (an index into this launch's order of them)."""
-
-    schedule_offset: int = 0
-    consumed: int = 0
+from fathom.pipeline.safety.watchdog import Watchdog, backend_timeout
+from fathom.pipeline.world.distributed import check_mpi_discovery, init_distributed, launched_world
+from fathom.pipeline.world.slurm import adopt_slurm_world
 
 
 def build_pipeline(cfg: RunConfig) -> PipelineModule:
@@ -143,55 +126,6 @@ def profile_batch(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatch:
     return next(MicroBatches(corpus, cfg.batch_size, cfg.train.seed))
 
 
-def updates(engine: deepspeed.PipelineEngine, offset: int) -> int:
-    """The step the schedules see (BranchNorm's t): updates applied, plus where train.init_from's weights
-    started (`offset`). DeepSpeed counts a skipped step in global_steps; its LR schedule does not move
-    on one, nor does fairseq's update counter, so neither does alpha_t."""
-    return offset + engine.global_steps - engine.skipped_steps
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def train_step(engine: deepspeed.PipelineEngine, data: MicroBatches) -> dict[str, Any]:
-    """One optimizer step over `accumulation` micro-batches; returns its metrics."""
-    tokens_before = data.target_tokens
-    lr = engine.optimizer.param_groups[0]["lr"]  # the rate this step applies
-    tick = time.perf_counter()
-    loss = engine.train_batch(data_iter=data)
-    elapsed = time.perf_counter() - tick
-    # Only a replica's first and last stage load its micro-batches (one stage: once): count its first's.
-    read = data.target_tokens - tokens_before if engine.is_first_stage() else 0
-    tokens = torch.tensor(float(read), device=engine.device)  # nccl: GPU tensors only
-    dist.all_reduce(tokens)
-    tokens = tokens.item()
-    return {
-        "step": engine.global_steps,
-        "loss": loss.item(),
-        "grad_norm": _float(engine.get_global_grad_norm()),
-        "lr": lr,
-        "tokens": int(tokens),
-        "tokens_per_s": tokens / elapsed,
-    }
-
-
-def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: float) -> str:
-    extra = "".join(f" | {k} {record[k]:.4g}" for k in ("alpha", "loss_scale") if k in record)
-    eta = seconds_per_step * (max_steps - record["step"])
-    return (
-        f"step {record['step']}/{max_steps} | loss {record['loss']:.4f}{extra} | "
-        f"{record['tokens_per_s']:.0f} tok/s | eta {eta:.0f}s"
-    )
-
-
-def data_position(engine: deepspeed.PipelineEngine, consumed: int = 0) -> DataPosition:
-    """Which micro-batches this launch reads in each step, from its first, after `consumed` were read."""
-    return DataPosition(
-        consumed, engine.global_steps, engine.gradient_accumulation_steps(), engine.grid.get_data_parallel_world_size()
-    )
-
-
 def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorpus, resume: bool) -> StartPoint:
     """Brings the engine to where training starts: the latest checkpoint, train.init_from's weights or
     Admin's profiled omegas, and writes the run's records."""
@@ -227,20 +161,10 @@ def start(engine: deepspeed.PipelineEngine, cfg: RunConfig, corpus: ParallelCorp
     return StartPoint(offset, consumed)
 
 
-@dataclass(frozen=True)
-class Stop:
-    """A run stopped before its end, everything saved: why (a Stopper reason code), after which step, and
-    the checkpoint --resume continues from."""
-
-    reason: int
-    step: int
-    tag: str
-
-
 def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper | None = None) -> Stop | None:
     """Trains to the run's end (None), or until the ranks agree to stop (the Stop); `stopper`: the signal
     handlers main installed (None: no signal stops this run, but train.exit_after_minutes does)."""
-    init_distributed(cfg.train.hang_timeout, cfg.train.cpu_heap, cfg.train.startup_timeout)
+    init_distributed(backend_timeout(cfg.train.hang_timeout), cfg.train.cpu_heap, cfg.train.startup_timeout)
     baseline_memory = current_bytes()
     rank = dist.get_rank()
     stopper = stopper or Stopper(rank)
@@ -253,7 +177,7 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper
         stopper.training(run_dir, watchdog, lambda: engine.global_steps, cfg.train.exit_after_minutes)
         watch_launchers(lambda ended: stopper.request(LAUNCHER_ENDED))
         try:
-            stopped = run(engine, cfg, corpus, start_point, watchdog, stopper)
+            stopped = TrainingLoop(engine, cfg, corpus, start_point, watchdog, stopper).run()
         finally:  # a run stopped by an error leaves no watchdog thread behind in a process that goes on
             watchdog.stop()
         report_peaks(baseline_memory, engine.stage_id, run_dir.path, cfg.auto_checkpointing)
@@ -267,104 +191,6 @@ def train(cfg: RunConfig, corpus: ParallelCorpus, resume: bool, stopper: Stopper
         raise
     finally:
         run_dir.close()
-
-
-def run(
-    engine: deepspeed.PipelineEngine,
-    cfg: RunConfig,
-    corpus: ParallelCorpus,
-    start_point: StartPoint,
-    watchdog: Watchdog,
-    stopper: Stopper,
-) -> Stop | None:
-    """The training loop, from the engine's step to train.max_steps (or train.max_epochs' end): steps, logs,
-    validation, checkpoints; or to a stop the ranks agreed on after a step, saved first."""
-    rank, save_dir = dist.get_rank(), Path(cfg.train.save_dir)
-    scheme = build_scheme(cfg.model)
-    hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
-    position = data_position(engine, start_point.consumed)
-    data = MicroBatches(
-        corpus,
-        cfg.batch_size,
-        cfg.train.seed,
-        start=position.consumed,
-        data_parallel_rank=engine.grid.get_data_parallel_rank(),
-        data_parallel_size=position.replicas,
-    )
-    order, per_epoch = data_order(cfg, corpus), data.per_epoch
-    validation = Validation(engine, cfg, watchdog) if cfg.train.valid_interval else None
-    best = Best(cfg.train.best_metric, save_dir)
-    if rank == 0 and best.tag is not None:
-        print(f"fathom: best valid {best.metric} so far {best.text()} ({best.tag})", flush=True)
-        if warning := best.warning():
-            print(f"fathom: warning: {warning}", file=sys.stderr, flush=True)
-    offset = start_point.schedule_offset
-
-    def state() -> dict[str, Any]:
-        where = position_record(position.at(engine.global_steps), per_epoch, order)
-        return ClientState(best.state(), offset, where).to_dict()
-
-    def save(as_best: bool, why: str = "") -> None:
-        watchdog.progress(f"checkpoint save after step {engine.global_steps}{why}")
-        saving.save(engine, save_dir, state(), best=as_best, schedule_step=updates(engine, offset))
-
-    metrics = MetricsLog(save_dir / METRICS_FILE, rank == 0, engine.global_steps, monitor=engine.monitor)
-    interval = cfg.train.grad_norm_interval
-    grad_norms = MetricsLog(save_dir / GRAD_NORMS_FILE, rank == 0 and interval > 0, resume_step=engine.global_steps)
-    patches = patch_training(
-        engine, cfg.model, cfg.train.seed, position, interval, grad_norms.write,
-        save_dir if cfg.train.time_breakdown else None,
-    )  # fmt: skip
-    masks, guard, breakdown = patches.masks, patches.guard, patches.breakdown
-    started, first_step = time.perf_counter(), engine.global_steps
-    last, limit = cfg.train.max_steps, f"train.max_steps is {cfg.train.max_steps}"
-    if cfg.train.max_epochs is not None and (end := position.step_ending(cfg.train.max_epochs * per_epoch)) < last:
-        last, limit = end, f"train.max_epochs {cfg.train.max_epochs} ends at step {end}"
-    if first_step >= last and rank == 0:
-        print(f"fathom: the run is at step {first_step} and {limit}: nothing to train; raise it to go on", flush=True)
-    while engine.global_steps < last:
-        step, t = engine.global_steps, updates(engine, offset)
-        watchdog.progress(f"training step {step + 1}")
-        for hook in hooks:
-            hook(t)
-        masks.start(step)
-        with breakdown.step() if breakdown else contextlib.nullcontext():
-            record = {**train_step(engine, data), **scheme.step_metrics(t), **guard.step_record()}
-        metrics.write(record)
-        done = record["step"]
-        if guard.found is not None:
-            guard.enforce(cfg.train.on_nonfinite, done, latest_tag(save_dir))
-        if rank == 0 and cfg.train.compile and done == first_step + 1:
-            seconds = time.perf_counter() - started
-            print(f"fathom: step {done} took {seconds:.1f} s, compiling the Transformer layers included", flush=True)
-        if rank == 0 and (done % cfg.train.log_interval == 0 or done == last):
-            seconds_per_step = (time.perf_counter() - started) / (done - first_step)
-            print(progress_line(record, last, seconds_per_step), flush=True)
-        if validation and (done % cfg.train.valid_interval == 0 or done == last):
-            for hook in hooks:  # the model after step s is evaluated (and exported) at its schedule step
-                hook(updates(engine, offset))
-            record = validation(done)
-            improved = best.update(record[f"valid_{best.metric}"])
-            metrics.write({**record, **best.record()})  # before the save: a resume from it keeps this record
-            if rank == 0:
-                print(validation_line(record, best), flush=True)
-            if improved:
-                save(as_best=True)
-        saved = done % cfg.train.save_interval == 0 or done == last
-        if saved:
-            save(as_best=False)
-        if done < last and (reason := stopper.agreed(engine.device)):
-            if not saved:  # a signal during the step's own save is answered here, by that save
-                save(as_best=False, why=", to stop")
-            stopper.saved()
-            return Stop(reason, done, latest_tag(save_dir))
-    if breakdown and rank == 0:
-        print("\n".join(breakdown.summary()), flush=True)
-    if cfg.settings.comms_logger:
-        # DeepSpeed times its communication ops and leaves printing them to the training loop (every rank
-        # meets in it; rank 0 prints).
-        deepspeed.comm.log_summary()
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,9 @@ import shlex
 from dataclasses import dataclass
 
 from fathom.common.errors import check_counts
+from fathom.common.sizes import GiB
 from fathom.pipeline.launch.command import read_hostfile
 from fathom.pipeline.parts.stage_memory import parse_size
-from fathom.pipeline.reports.memory import GiB
 
 
 @dataclass(frozen=True)

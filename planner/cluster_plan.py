@@ -34,13 +34,17 @@ from pathlib import Path
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
+from fathom.common.sizes import GiB
 from fathom.corpus.filters import FilterSettings
 from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, BATCH_KEYS, check_deepspeed
 from fathom.pipeline.config.run_config import DataNotPreparedError, RunConfig, load_config
 from fathom.pipeline.parts.activation_trace import LayerTrace, trace_layers
 from fathom.pipeline.parts.auto_checkpointing import choose_interval, memory_to_fit, with_interval
+from fathom.pipeline.parts.specs import check_partition_layers
 from fathom.pipeline.parts.stage_cuts import layer_costs
 from fathom.pipeline.parts.stage_memory import (
+    GPU,
+    Device,
     MicroBatchShape,
     StageEstimate,
     checkpoint_runs,
@@ -49,7 +53,6 @@ from fathom.pipeline.parts.stage_memory import (
     parameter_count,
     state_bytes,
 )
-from fathom.pipeline.reports.memory import GiB
 from fathom.planner.cluster import HOSTFILE, Cluster, cluster_of, crossings, launch_command
 from fathom.planner.estimate import add_reserve_option, check_length, fill_vocab_and_length, report, reserve_bytes
 from fathom.planner.layer_times import LayerTime, device_name, time_layers_here
@@ -142,7 +145,7 @@ def plan_split(
     split: Split,
     times: list[LayerTime] | None = None,
     memory: int | None = None,
-    fixed: int | None = None,
+    device: Device = GPU,
 ) -> SplitPlan | str:
     """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it:
     the config check a launch on the split's GPUs would fail. A split whose interval is "auto" gets the one
@@ -152,15 +155,16 @@ def plan_split(
     cfg = dataclasses.replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline})
     try:
         check_deepspeed(cfg.deepspeed, cfg.model, world_size=split.stages * split.replicas)
+        check_partition_layers(cfg)
         if split.checkpoint_interval == AUTO_INTERVAL:
             fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
-            choice = choose_interval(cfg, traces, shape, split.stages, split.replicas, "gpu", fitted, source, fixed)
+            choice = choose_interval(cfg, traces, shape, split.stages, split.replicas, device, fitted, source)
             cfg = with_interval(cfg, choice)
     except ConfigError as err:
         return str(err)
     interval = cfg.settings.checkpoint_interval
     micro_batches = cfg.settings.accumulation(split.replicas)
-    estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas, fixed=fixed)
+    estimates = estimate_stages(cfg, traces, shape, split.stages, split.replicas, device)
     layers = traces[0]
     bounds = [estimate.start for estimate in estimates] + [estimates[-1].stop]
     gradient_bytes = state_bytes(cfg).gradients
@@ -372,8 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = micro_batch_shape(cfg, args.sentences, length)
         traces = trace_layers(cfg, shape.length)
         times = time_layers_here(cfg, traces, shape.sentences, shape.length) if args.time_layers else None
-        fixed = reserve_bytes(args.reserve)
-        plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory, fixed))
+        device = Device("gpu", reserve_bytes(args.reserve))
+        plans = [(split, plan_split(cfg, traces, shape, split, times, cluster.memory, device))
                  for split in splits(cfg, cluster.gpus)]  # fmt: skip
         best = choose(plans, cluster.memory)
         model = cfg.model

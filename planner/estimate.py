@@ -20,6 +20,7 @@ from pathlib import Path
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_counts, exit_on_config_error
 from fathom.common.run_layout import MEMORY_FILE
+from fathom.common.sizes import GiB
 from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL
 from fathom.pipeline.config.run_config import RunConfig, load_config
 from fathom.pipeline.config.run_data import build_corpus, with_vocab
@@ -34,6 +35,8 @@ from fathom.pipeline.parts.auto_checkpointing import (
 )
 from fathom.pipeline.parts.stage_memory import (
     FIXED_BYTES,
+    GPU,
+    Device,
     MicroBatchShape,
     StageEstimate,
     estimate_stages,
@@ -41,7 +44,7 @@ from fathom.pipeline.parts.stage_memory import (
     parse_size,
     state_bytes,
 )
-from fathom.pipeline.reports.memory import GiB, MeasuredPeak
+from fathom.pipeline.reports.memory import MeasuredPeak
 
 
 def smallest_stage_count(
@@ -50,8 +53,7 @@ def smallest_stage_count(
     shape: MicroBatchShape,
     memory: int,
     data_parallel: int = 1,
-    device: str = "gpu",
-    fixed: int | None = None,
+    device: Device = GPU,
 ) -> int | None:
     """The fewest stages whose every peak fits in `memory` bytes (None: not even one Transformer
     layer per stage). The first stage holds min(stages, micro-batches) micro-batches in flight, so up
@@ -60,7 +62,7 @@ def smallest_stage_count(
     peaks shrink as stages grow, and a doubling search and a bisection suffice."""
 
     def fits(stages: int) -> bool:
-        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, fixed=fixed)
+        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device)
         return max(s.peak for s in estimates) <= memory
 
     most = cfg.model.encoder_layers + cfg.model.decoder_layers
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = [*args.override, *([f"pipeline.stages={args.stages}"] if args.stages is not None else [])]
         cfg = load_config(args.config, overrides, world_size=None)
         memory = parse_size(args.gpu_memory) if args.gpu_memory is not None else None
-        fixed = reserve_bytes(args.reserve)
+        device = Device(args.device, reserve_bytes(args.reserve))
         shape = micro_batch_shape(cfg, args.sentences, fill_vocab_and_length(cfg, args.length))
         traces = trace_layers(cfg, shape.length)
         if requested_interval(cfg) == AUTO_INTERVAL:
@@ -205,22 +207,20 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(f'{INTERVAL_KEY}: "{AUTO_INTERVAL}" fits a memory; give --gpu-memory, or set '
                                   f"{BUDGET_KEY}")  # fmt: skip
             fitted, source = memory_to_fit(cfg, memory, "--gpu-memory")
-            choice = choose_interval(
-                cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fitted, source, fixed
-            )
+            choice = choose_interval(cfg, traces, shape, cfg.stages, args.data_parallel, device, fitted, source)
             print(choice.line())
             cfg = with_interval(cfg, choice)
-        estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, args.device, fixed=fixed)
+        estimates = estimate_stages(cfg, traces, shape, cfg.stages, args.data_parallel, device)
         print(report(cfg, estimates, shape, args.data_parallel))
         print(f"largest stage peak: {max(e.peak for e in estimates) / GiB:.2f} GiB")
         if args.measured:
             print(measured_report(Path(args.measured), estimates, args.device))
         if memory:
-            fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, args.device, fixed)
+            fewest = smallest_stage_count(cfg, traces, shape, memory, args.data_parallel, device)
             if fewest is None:
                 print(f"does not fit in {memory / GiB:.2f} GiB even with one Transformer layer per stage")
             else:
-                most = estimate_stages(cfg, traces, shape, fewest, args.data_parallel, args.device, fixed=fixed)
+                most = estimate_stages(cfg, traces, shape, fewest, args.data_parallel, device)
                 peak = max(e.peak for e in most)
                 print(f"fewest stages that fit in {memory / GiB:.2f} GiB: {fewest} ", end="")
                 print(f"(largest stage peak {peak / GiB:.2f} GiB)")

@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 from fathom.common.errors import ConfigError
 from fathom.common.machine import available_memory, cpu_name
+from fathom.common.sizes import GiB
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.activation_trace import LayerTrace, each_distinct_layer, sample_tokens
 from fathom.pipeline.parts.stage_modules import PipePart
-from fathom.pipeline.reports.memory import GiB
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What reseeding dropout at every layer costs: see tools/mask_speed.py."""
 
-from fathom.pipeline.launch.distributed import run_launched
+from fathom.pipeline.world.distributed import run_launched
 from fathom.tools.mask_speed import main
 
 if __name__ == "__main__":

@@ -332,7 +332,7 @@ def trained_in_process(
     import itertools
 
     from fathom.corpus.batches import DataPosition
-    from fathom.pipeline.engine.patches import patch_training
+    from fathom.pipeline.patches import patch_training
     from fathom.tools.in_process_engine import built_engine  # imports DeepSpeed: only where it is used
     from fathom.tools.timed_steps import synthetic_batch
 

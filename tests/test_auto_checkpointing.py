@@ -20,7 +20,7 @@ from fathom.pipeline.parts.auto_checkpointing import (
     choose_interval,
     launch_shape,
 )
-from fathom.pipeline.parts.stage_memory import FIXED_BYTES
+from fathom.pipeline.parts.stage_memory import FIXED_BYTES, Device
 from fathom.pipeline.reports.memory import MeasuredPeak
 from fathom.planner.cluster_plan import Split, plan_split
 from fathom.planner.estimate import main as estimate_main
@@ -53,7 +53,7 @@ def tried(tmp_path_factory):
     """Every interval's estimate for SMALL's launch, as "auto" weighs them."""
     cfg, corpus = checked(tmp_path_factory.mktemp("run"), "train.memory_budget=10GB")
     shape = launch_shape(cfg, corpus)
-    return {c.interval: c for c in candidates(cfg, trace_layers(cfg, shape.length), shape, 2, 1, "cpu")}
+    return {c.interval: c for c in candidates(cfg, trace_layers(cfg, shape.length), shape, 2, 1, Device("cpu"))}
 
 
 def test_a_budget_below_no_checkpointing_chooses_the_least_recomputation_that_fits(tmp_path, tried):
@@ -96,7 +96,8 @@ def test_with_cuda_graphs_auto_chooses_from_one(tried):
     (check_cuda_graphs, which wants a GPU, is left out: the rule is what is tested)."""
     cfg, corpus = resolve_run(DEFAULT, [*SMALL, "train.cuda_graphs=true"], WORLD)
     shape = launch_shape(cfg, corpus)
-    choice = choose_interval(cfg, trace_layers(cfg, shape.length), shape, 2, 1, "cpu", 2**30, "train.memory_budget")
+    traces = trace_layers(cfg, shape.length)
+    choice = choose_interval(cfg, traces, shape, 2, 1, Device("cpu"), 2**30, "train.memory_budget")
     assert tried[0].peak < choice.usable and choice.interval >= 1
 
 
@@ -130,7 +131,7 @@ def test_on_a_gpu_auto_fits_the_gpus_memory(tmp_path, monkeypatch, tried):
     choice = auto_checkpointing.resolve_checkpointing(cfg, corpus, WORLD).auto_checkpointing
     assert choice.memory == memory and choice.source == "the GPU's memory"
     shape = launch_shape(cfg, corpus)
-    on_gpu = choose_interval(cfg, trace_layers(cfg, shape.length), shape, 2, 1, "gpu", memory, "the GPU's memory")
+    on_gpu = choose_interval(cfg, trace_layers(cfg, shape.length), shape, 2, 1, Device(), memory, "the GPU's memory")
     assert choice == on_gpu and choice.interval >= 1
 
 
@@ -193,7 +194,7 @@ def test_the_cluster_plan_shows_autos_choice_per_split(tmp_path, tried):
         ((tried[0].peak + tried[1].peak) // 2 - FIXED_BYTES["cpu"] + FIXED_BYTES["gpu"]) / (1 - MEMORY_RESERVE)
     )  # a GPU's
     plan = plan_split(cfg, traces, shape, Split(2, 1, "auto"), memory=memory)
-    expected = choose_interval(cfg, traces, shape, 2, 1, "gpu", memory, "--gpu-memory").interval
+    expected = choose_interval(cfg, traces, shape, 2, 1, Device(), memory, "--gpu-memory").interval
     assert expected >= 1 and plan.cfg.deepspeed["pipeline"]["activation_checkpoint_interval"] == expected
     assert isinstance(plan_split(cfg, traces, shape, Split(2, 1, "auto"), memory=2**20), str)
 

@@ -14,10 +14,10 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from fathom.common.machine import available_memory, cpu_name
+from fathom.common.sizes import GiB
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.parts.activation_trace import trace_layers
 from fathom.pipeline.parts.stage_memory import MicroBatchShape
-from fathom.pipeline.reports.memory import GiB
 from fathom.planner import layer_times
 from fathom.planner.cluster import Cluster, crossings
 from fathom.planner.cluster_plan import Split, main, plan_split

@@ -45,7 +45,7 @@ def entry(script: str) -> tuple[dict[str, str], ast.Call]:
 def test_a_script_is_a_thin_entry_to_a_main(script):
     imports, call = entry(script)
     assert set(imports) <= {"main", "run_launched"} and "main" in imports, f"scripts/{script}.py imports {imports}"
-    assert imports.get("run_launched", "fathom.pipeline.launch.distributed") == "fathom.pipeline.launch.distributed"
+    assert imports.get("run_launched", "fathom.pipeline.world.distributed") == "fathom.pipeline.world.distributed"
     expected = "run_launched(main)" if "run_launched" in imports else "main()"
     assert ast.unparse(call) == expected, f"scripts/{script}.py runs {ast.unparse(call)}; run {expected}"
 

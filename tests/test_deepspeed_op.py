@@ -1,4 +1,4 @@
-"""DeepSpeed's CPU op (pipeline/launch/deepspeed_op.py): built in a directory of each Python environment's own,
+"""DeepSpeed's CPU op (pipeline/world/deepspeed_op.py): built in a directory of each Python environment's own,
 with that environment's ninja, and a lock left by a build that was killed named in one line rather than waited
 on forever."""
 
@@ -18,7 +18,7 @@ import pytest
 from torch.utils import cpp_extension
 
 from fathom.common.errors import ConfigError
-from fathom.pipeline.launch.deepspeed_op import (
+from fathom.pipeline.world.deepspeed_op import (
     VARIABLE,
     WatchedBaton,
     environment_extensions_dir,
@@ -38,11 +38,11 @@ HOLD_LOCK = (
 # What a CPU rank will run before deepspeed.init_distributed, then DeepSpeed's own step, which must find it loaded.
 PREPARE = (
     "import sys\nfrom fathom.common.errors import exit_on_config_error\n"
-    "from fathom.pipeline.launch.deepspeed_op import prepare_cpu_op\n"
+    "from fathom.pipeline.world.deepspeed_op import prepare_cpu_op\n"
     "with exit_on_config_error():\n    prepare_cpu_op(float(sys.argv[1]))\n"
     "from deepspeed.comm.torch import build_shm_op\nprint('loaded', build_shm_op().__file__, flush=True)\n"
 )
-PRINT_DIRECTORY = "from fathom.pipeline.launch.deepspeed_op import use_environment_extensions_dir as u; print(u())"
+PRINT_DIRECTORY = "from fathom.pipeline.world.deepspeed_op import use_environment_extensions_dir as u; print(u())"
 # what sshd gives a command: no activated environment, none of the launching shell's variables
 SSHD_PATH = "/usr/local/bin:/usr/bin:/bin"
 
@@ -69,7 +69,7 @@ def printed_directory(python: str | Path, env: dict[str, str]) -> str:
 @pytest.fixture(scope="session")
 def built_op() -> Path:
     """The op as this environment's ranks find it, built as `make install` builds it (about a minute, once)."""
-    result = subprocess.run([sys.executable, "-m", "fathom.pipeline.launch.deepspeed_op"], env=without_extensions_dir(),
+    result = subprocess.run([sys.executable, "-m", "fathom.pipeline.world.deepspeed_op"], env=without_extensions_dir(),
                             capture_output=True, text=True, timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return Path(re.findall(r"fathom: DeepSpeed's CPU op is built in (.+)", result.stdout)[-1])
@@ -252,7 +252,7 @@ def test_another_environment_or_an_ssh_start_finds_its_own_directory(tmp_path, b
     library = built_op / f"{OP}.so"
     built = library.stat().st_mtime_ns
     started = time.monotonic()
-    over_ssh = run_python(sys.executable, "from fathom.pipeline.launch.deepspeed_op import main; main()",
+    over_ssh = run_python(sys.executable, "from fathom.pipeline.world.deepspeed_op import main; main()",
                           sshd_environment())  # fmt: skip
     assert f"fathom: DeepSpeed's CPU op is built in {built_op}" in over_ssh.stdout
     assert "compiling" not in over_ssh.stdout and library.stat().st_mtime_ns == built

@@ -113,16 +113,28 @@ def run_modules() -> set[str]:
     return {f"pipeline.{p.stem}" for p in (ROOT / "pipeline").glob("*.py") if p.stem != "__init__"}
 
 
-def test_no_part_of_the_run_imports_the_run_back():
-    """pipeline's subpackages (launch, config, parts, engine, checkpoint, safety, reports) are what its top-level
-    modules compose; one that imported them back would tie the parts to the whole."""
-    top = {*run_modules(), "pipeline"}
+# pipeline's subpackages, lowest first: each imports only those before it. Above them all, its top-level
+# modules (run_modules) compose them on every rank.
+RUN_LAYERS = ("config", "world", "engine", "parts", "reports", "checkpoint", "safety", "launch")
+
+
+def run_layer(module: str) -> int:
+    """Where a pipeline module stands in RUN_LAYERS; a top-level module (or the package) above them all."""
+    sub = module.split(".")[1] if module.count(".") >= 1 else ""
+    return RUN_LAYERS.index(sub) if sub in RUN_LAYERS else len(RUN_LAYERS)
+
+
+def test_each_part_of_the_run_imports_only_the_parts_below_it():
+    """The order a reader takes pipeline/ in: a subpackage that imported one above it (or a top-level module)
+    would make two layers one."""
+    subpackages = {p.parent.name for p in (ROOT / "pipeline").glob("*/__init__.py")}
+    assert subpackages == set(RUN_LAYERS), "place each subpackage of pipeline/ in RUN_LAYERS"
     wrong = sorted(
         f"{name} imports {dep}"
         for name, deps in graph().items()
-        if name.startswith("pipeline.") and name not in top
+        if name.startswith("pipeline.")
         for dep in deps
-        if dep in top
+        if dep.startswith("pipeline.") and run_layer(dep) > run_layer(name)
     )
     assert not wrong
 

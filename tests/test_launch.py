@@ -13,8 +13,8 @@ from deepspeed.launcher import runner
 from fathom.common import ports
 from fathom.common.errors import REPORTER_GRACE_S, ConfigError
 from fathom.pipeline.launch import command as launch_command
-from fathom.pipeline.launch.distributed import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from fathom.pipeline.train import main as train_main
+from fathom.pipeline.world.distributed import World, check_mpi_discovery, cpu_threads, launched_world, whole_lines
 from tests.helpers import ROOT, assert_same_training, deepspeed_launch, launch
 
 DEFAULT = ROOT / "ds_configs" / "default.json"

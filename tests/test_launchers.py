@@ -1,12 +1,12 @@
 """How a rank recognizes the launchers above it and an output nobody reads (pipeline/safety/launchers.py), and
-how an srun task finds its world (pipeline/launch/slurm.py), on hand-made process chains and environments."""
+how an srun task finds its world (pipeline/world/slurm.py), on hand-made process chains and environments."""
 
 import io
 import os
 from dataclasses import dataclass, field
 
-from fathom.pipeline.launch.slurm import adopt_slurm_world, hostnames, step_port, tasks_on_node
 from fathom.pipeline.safety.launchers import GuardedStream, launcher_chain, output_closed, python_program
+from fathom.pipeline.world.slurm import adopt_slurm_world, hostnames, step_port, tasks_on_node
 
 PY = "/venv/bin/python3"
 

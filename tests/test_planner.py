@@ -8,16 +8,17 @@ import sys
 import pytest
 
 from fathom.common.run_layout import MEMORY_FILE
+from fathom.common.sizes import GiB
 from fathom.pipeline.config.run_config import load_config
 from fathom.pipeline.parts.activation_trace import trace_layers
 from fathom.pipeline.parts.stage_memory import (
     FIXED_BYTES,
+    Device,
     MicroBatchShape,
     estimate_stages,
     micro_batch_shape,
     parse_size,
 )
-from fathom.pipeline.reports.memory import GiB
 from fathom.planner.estimate import fill_vocab_and_length, main, smallest_stage_count
 from tests.helpers import ROOT, launch
 
@@ -56,7 +57,7 @@ def test_model_states_by_hand(precision, zero, fused, per_param, step):
     assert stage.model_states == int(1744 * per_param)
     assert stage.transient == int(1744 * step)
     assert stage.fixed == FIXED_BYTES["gpu"]
-    cpu = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), 1, 2, device="cpu")[0]
+    cpu = estimate_stages(cfg, trace_layers(cfg, 5), MicroBatchShape(1, 5), 1, 2, device=Device("cpu"))[0]
     assert cpu.fixed == FIXED_BYTES["cpu"] and cpu.peak == stage.allocated + FIXED_BYTES["cpu"]
 
 
@@ -172,7 +173,7 @@ def test_the_estimate_is_within_its_margin_of_a_measured_run(tmp_path, size):
     measured = json.loads((tmp_path / MEMORY_FILE).read_text())
     cfg = load_config(ROOT / "ds_configs" / "default.json", overrides, world_size=None)
     shape = micro_batch_shape(cfg, None, fill_vocab_and_length(cfg, None))
-    estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device="cpu")
+    estimates = estimate_stages(cfg, trace_layers(cfg, shape.length), shape, stages=2, device=Device("cpu"))
     for rank in measured:
         predicted, actual = estimates[rank["stage"]].peak, rank["peak"] - rank["baseline"]
         assert abs(predicted - actual) <= max(MARGIN_BYTES, MARGIN_SHARE * actual), (rank, predicted)

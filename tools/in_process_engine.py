@@ -23,14 +23,14 @@ from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.config.engine_defaults import deepspeeds_own
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from fathom.pipeline.engine.internals import clear_pipe_buffers
-from fathom.pipeline.launch.deepspeed_op import prepare_cpu_op
-from fathom.pipeline.launch.distributed import release_shm_buffer
 from fathom.pipeline.train import build_engine
+from fathom.pipeline.world.deepspeed_op import prepare_cpu_op
+from fathom.pipeline.world.distributed import release_shm_buffer
 
 
 def init_single_process(device: str = "cpu") -> None:
     """torch.distributed for this one process (world size 1; gloo on a CPU, nccl on a GPU), which the
-    engine needs. Not pipeline.launch.distributed.init_distributed: that one sets torch's thread count for
+    engine needs. Not pipeline.world.distributed.init_distributed: that one sets torch's thread count for
     launched ranks, and here every system must run with the same threads."""
     if dist.is_initialized():
         return

@@ -19,8 +19,9 @@ from fathom.common.errors import check_number, exit_on_config_error
 from fathom.corpus.batches import MicroBatches
 from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.engine.recompute import DropoutMasks
-from fathom.pipeline.launch.distributed import init_distributed, launched_world
-from fathom.pipeline.train import build_engine, data_position, train_step
+from fathom.pipeline.loop import data_position, train_step
+from fathom.pipeline.train import build_engine
+from fathom.pipeline.world.distributed import init_distributed, launched_world
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

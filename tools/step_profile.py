@@ -62,7 +62,7 @@ from fathom.model.transformer import Transformer
 from fathom.pipeline.config.deepspeed_values import check_deepspeed
 from fathom.pipeline.engine.cuda_graphs import graph_layers
 from fathom.pipeline.engine.internals import set_checkpoint_function, set_gradient_scans, set_self_reduction
-from fathom.pipeline.engine.patches import patch_training
+from fathom.pipeline.patches import patch_training
 from fathom.tools.in_process_engine import built_engine, check_device
 from fathom.tools.timed_steps import (
     Step,

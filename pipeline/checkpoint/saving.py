@@ -62,7 +62,7 @@ from fathom.pipeline.config.history import flat, read_back, shown
 from fathom.pipeline.config.resume_rules import deepspeed_rule, settings_with
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.engine.internals import checkpoint_engine, set_checkpoint_engine, universal_loading
-from fathom.pipeline.launch.distributed import end_distributed
+from fathom.pipeline.world.distributed import end_distributed
 
 
 class CommittingCheckpointEngine(TorchCheckpointEngine):

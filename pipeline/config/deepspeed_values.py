@@ -21,7 +21,6 @@ from fathom.model.model_config import ModelConfig
 from fathom.pipeline.config.deepspeed_keys import check_deepspeed_keys, pipeline_defaults
 from fathom.pipeline.config.deepspeed_sections import check_sections
 from fathom.pipeline.config.engine_defaults import engine_config
-from fathom.pipeline.parts.stage_modules import pipe_parts
 
 OUR_SECTIONS = ("model", "data", "train")  # the config's sections that are fathom's, not DeepSpeed's
 DEFAULT_PARTITION = "cost"  # pipeline/parts/stage_cuts.py
@@ -85,7 +84,7 @@ def check_pipeline_section(ds: dict[str, Any], cfg: ModelConfig) -> tuple[int, i
         raise ConfigError(
             f"pipeline.stages: {stages} stages for {layers} Transformer layers; use at most {layers} stages"
         )
-    check_partition(pipeline.get("partition", DEFAULT_PARTITION), cfg)
+    partition_pattern(pipeline.get("partition", DEFAULT_PARTITION))
     interval = pipeline.get(CHECKPOINT_INTERVAL, 0)
     if interval != AUTO_INTERVAL and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
         raise ConfigError(
@@ -220,21 +219,17 @@ def check_schedule(ds: dict[str, Any], max_steps: int) -> None:
         )
 
 
-def check_partition(partition: Any, cfg: ModelConfig) -> None:
-    """cost, uniform, parameters, or type:REGEX matching some layer's class as DeepSpeed matches it."""
+def partition_pattern(partition: Any) -> re.Pattern | None:
+    """cost, uniform or parameters (None), or type:REGEX (its pattern, compiled as DeepSpeed matches it
+    against the layers' class names; pipeline/parts/specs.py checks that it matches one)."""
     if partition in ("cost", "uniform", "parameters"):
-        return
+        return None
     if not isinstance(partition, str) or not partition.startswith("type:"):
         raise ConfigError(f"pipeline.partition: {partition!r}; use cost, uniform, parameters or type:REGEX")
     try:
-        pattern = re.compile(partition[len("type:") :], re.IGNORECASE)
+        return re.compile(partition[len("type:") :], re.IGNORECASE)
     except re.error as err:
         raise ConfigError(f"pipeline.partition: {partition!r} is not a regular expression ({err})") from None
-    names = {part.pipe_class.__name__ for part in pipe_parts(cfg)}
-    if not any(pattern.search(name) for name in names):
-        raise ConfigError(
-            f"pipeline.partition: {partition!r} matches no layer; the layers are {', '.join(sorted(names))}"
-        )
 
 
 def accumulation(ds: Mapping[str, Any], replicas: int) -> int:

@@ -18,6 +18,7 @@ from fathom.corpus.batches import BatchSize, SyntheticConfig
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import model_section, parse_model
 from fathom.model.search import SearchConfig
+from fathom.pipeline.config.checkpoint_choice import CheckpointChoice
 from fathom.pipeline.config.config_file import apply_overrides, check_finite, config_file, read_json
 from fathom.pipeline.config.deepspeed_settings import DeepSpeedSettings, deepspeed_settings
 from fathom.pipeline.config.deepspeed_values import (
@@ -28,7 +29,6 @@ from fathom.pipeline.config.deepspeed_values import (
     check_deepspeed,
     check_schedule,
 )
-from fathom.pipeline.reports.memory import CheckpointChoice
 
 
 def check_no_tilde(path: str | None, key: str) -> None:

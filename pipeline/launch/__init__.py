@@ -1,2 +1,2 @@
 """Starting a job: the launch command (scripts/launch.py), the checks a run passes before any process group
-exists, and the distributed set-up every rank runs, with how a launched process exits."""
+exists, the hosts asked first, and the runner supervised so that a stop reaches the ranks."""

@@ -23,8 +23,9 @@ from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.cuda_graphs import check_cuda_graphs
-from fathom.pipeline.launch.distributed import launched_world
 from fathom.pipeline.parts.auto_checkpointing import resolve_checkpointing
+from fathom.pipeline.parts.specs import check_partition_layers
+from fathom.pipeline.world.distributed import launched_world
 
 
 def check_fits(corpus: ParallelCorpus, cfg: RunConfig) -> None:
@@ -70,6 +71,7 @@ def check_run(args: argparse.Namespace, world_size: int, checksums: bool = True)
     cfg, corpus = resolve_run(args.config, args.override, world_size, checksums)
     if cfg.train.compile and (missing := compiler_missing()):
         raise ConfigError(f"train.compile: torch.compile cannot build kernels here: {missing}; or set it false")
+    check_partition_layers(cfg)
     check_cuda_graphs(cfg)
     admin_profile.check(cfg.model)
     check_fits(corpus, cfg)

@@ -28,19 +28,21 @@ from dataclasses import dataclass, replace
 import torch
 
 from fathom.common.errors import ConfigError
+from fathom.common.sizes import size_text
 from fathom.corpus.batches import ParallelCorpus
+from fathom.pipeline.config.checkpoint_choice import CheckpointChoice
 from fathom.pipeline.config.deepspeed_values import AUTO_INTERVAL, CHECKPOINT_INTERVAL, DEFAULT_PARTITION
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.activation_trace import LayerTrace, trace_layers
 from fathom.pipeline.parts.stage_cuts import layer_costs, stage_bounds
 from fathom.pipeline.parts.stage_memory import (
+    Device,
     MicroBatchShape,
     checkpoint_runs,
     estimate_stages,
     micro_batch_shape,
     parse_size,
 )
-from fathom.pipeline.reports.memory import CheckpointChoice, size_text
 
 # The share of the memory "auto" keeps out of the estimate's reach, for what the estimate does not count:
 # on a GPU the CUDA context and the caching allocator's slack above the bytes allocated, and the estimate's
@@ -83,16 +85,15 @@ def candidates(
     shape: MicroBatchShape,
     stages: int,
     data_parallel: int,
-    device: str,
-    fixed: int | None = None,
+    device: Device,
 ) -> list[Candidate]:
     """Every interval worth trying: 0 to the longest stage's layer count (past it every stage is one run).
-    With train.cuda_graphs, which needs checkpointing, from 1. `fixed`: as estimate_stages takes it."""
+    With train.cuda_graphs, which needs checkpointing, from 1."""
     costs, bounds = layer_costs(cfg.model), stage_bounds(cfg.model, stages)
     longest = max(stop - start for start, stop in itertools.pairwise(bounds))
     found = []
     for interval in range(1 if cfg.train.cuda_graphs else 0, longest + 1):
-        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval, fixed, bounds)
+        estimates = estimate_stages(cfg, traces, shape, stages, data_parallel, device, interval, bounds)
         peaks = tuple(estimate.peak for estimate in estimates)
         found.append(Candidate(interval, peaks, recomputed_work(traces[0], costs, bounds, interval)))
     return found
@@ -104,15 +105,14 @@ def choose_interval(
     shape: MicroBatchShape,
     stages: int,
     data_parallel: int,
-    device: str,
+    device: Device,
     memory: int,
     source: str,
-    fixed: int | None = None,
 ) -> CheckpointChoice:
     """The rule (above) for `stages` x `data_parallel` ranks of `memory` bytes each (`source`: where that
-    came from; `fixed`: as estimate_stages takes it); a ConfigError in one line if no interval fits."""
+    came from) on `device`; a ConfigError in one line if no interval fits."""
     usable = int(memory * (1 - MEMORY_RESERVE))
-    tried = candidates(cfg, traces, shape, stages, data_parallel, device, fixed)
+    tried = candidates(cfg, traces, shape, stages, data_parallel, device)
     fitting = [c for c in tried if c.peak <= usable]
     if not fitting:
         lowest = min(tried, key=lambda c: (c.peak, c.interval))
@@ -125,7 +125,7 @@ def choose_interval(
             f"add pipeline stages (pipeline.stages), lower {batch}, or {more}"
         )
     best = min(fitting, key=lambda c: (c.recomputed, c.peak, c.interval))
-    caveat = KEPT_HEAP if device == "cpu" and cfg.train.cpu_heap == "keep" else ""
+    caveat = KEPT_HEAP if device.kind == "cpu" and cfg.train.cpu_heap == "keep" else ""
     return CheckpointChoice(best.interval, best.peaks, memory, MEMORY_RESERVE, source, caveat)
 
 
@@ -191,7 +191,7 @@ def resolve_checkpointing(cfg: RunConfig, corpus: ParallelCorpus, world_size: in
         )
     memory, source = memory_to_fit(cfg, gpu_memory())
     shape = launch_shape(cfg, corpus)
-    device = "gpu" if torch.cuda.is_available() else "cpu"
+    device = Device("gpu" if torch.cuda.is_available() else "cpu")
     traces = trace_layers(cfg, shape.length)
     choice = choose_interval(cfg, traces, shape, cfg.stages, world_size // cfg.stages, device, memory, source)
     return with_interval(cfg, choice)

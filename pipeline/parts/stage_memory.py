@@ -25,11 +25,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fathom.common.errors import ConfigError
+from fathom.common.sizes import GiB
 from fathom.pipeline.config.deepspeed_values import gradients_all_reduced
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.parts.activation_trace import LayerTrace, planned_precision
 from fathom.pipeline.parts.stage_cuts import stage_bounds
-from fathom.pipeline.reports.memory import GiB
 
 GB = 10**9
 # What a process holds whatever the model, beside the estimate (the planners' --reserve replaces it):
@@ -40,6 +40,22 @@ GB = 10**9
 #   and the caching allocator's reserve beyond what it hands out. An allowance, not measured here (no GPU):
 #   the CUDA context alone takes about 0.5 GiB on current GPUs.
 FIXED_BYTES = {"cpu": 48 * 2**20, "gpu": 2 * GiB}
+
+
+@dataclass(frozen=True)
+class Device:
+    """What every process of a plan runs on: a GPU or a CPU, holding `reserve` bytes whatever the model (the
+    planners' --reserve), else its kind's FIXED_BYTES."""
+
+    kind: str = "gpu"
+    reserve: int | None = None
+
+    @property
+    def fixed(self) -> int:
+        return FIXED_BYTES[self.kind] if self.reserve is None else self.reserve
+
+
+GPU = Device("gpu")
 
 
 @dataclass(frozen=True)
@@ -126,14 +142,13 @@ def estimate_stages(
     shape: MicroBatchShape,
     stages: int,
     data_parallel: int = 1,
-    device: str = "gpu",
+    device: Device = GPU,
     interval: int | None = None,
-    fixed: int | None = None,
     bounds: list[int] | None = None,
 ) -> list[StageEstimate]:
     """Every stage's memory when the model is cut into `stages` (as pipeline/parts/stage_cuts.py cuts it),
     checkpointing every `interval` layers (None: the config's interval, which must be a number by then), each
-    process holding `fixed` bytes whatever the model (None: the device's FIXED_BYTES). `bounds`: the cut,
+    process on `device`, holding its fixed bytes whatever the model. `bounds`: the cut,
     stage_bounds(cfg.model, stages), from a caller that estimates one cut at many intervals."""
     layers, loss_saved = traces
     per_param = state_bytes(cfg)
@@ -171,7 +186,7 @@ def estimate_stages(
                 ),
                 activations=shape.sentences * (in_flight * held + recompute),
                 transient=int(max(params * flatten, sharded * per_param.step)),
-                fixed=FIXED_BYTES[device] if fixed is None else fixed,
+                fixed=device.fixed,
             )
         )
     return estimates

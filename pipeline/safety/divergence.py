@@ -40,7 +40,7 @@ from fathom.pipeline.engine.internals import (
     zero_gradient_slice,
     zero_sharded,
 )
-from fathom.pipeline.launch.distributed import end_distributed
+from fathom.pipeline.world.distributed import end_distributed
 
 NONFINITE_EXIT = 3  # the exit status of a run stopped by a non-finite step (2: a config error)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from fathom.pipeline.checkpoint import saving
-from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import main
+from fathom.pipeline.world.distributed import run_launched
 
 
 def die() -> None:

@@ -21,7 +21,7 @@ from fathom.model.parts import module_names
 from fathom.pipeline import train as training
 from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.engine.internals import stage_layers, stage_range
-from fathom.pipeline.launch.distributed import run_launched
+from fathom.pipeline.world.distributed import run_launched
 
 build_engine = training.build_engine
 

@@ -13,7 +13,7 @@ from recorded import PARAMETERS, eager_record  # beside this file
 from fathom.pipeline import train as training
 from fathom.pipeline.engine import cuda_graphs
 from fathom.pipeline.launch import checks
-from fathom.pipeline.launch.distributed import run_launched
+from fathom.pipeline.world.distributed import run_launched
 
 cuda_graphs.recordable = lambda tensor: True
 cuda_graphs.record = eager_record

@@ -27,9 +27,10 @@ from fathom.pipeline.config.run_data import build_corpus, resolve_run
 from fathom.pipeline.decode import translate
 from fathom.pipeline.engine import admin_profile
 from fathom.pipeline.engine.internals import stage_range
-from fathom.pipeline.launch.distributed import init_distributed, run_launched
+from fathom.pipeline.loop import train_step
 from fathom.pipeline.parts.stage_modules import DecoderLayerPipe, EncoderLayerPipe
-from fathom.pipeline.train import build_engine, profile_batch, train_step
+from fathom.pipeline.train import build_engine, profile_batch
+from fathom.pipeline.world.distributed import init_distributed, run_launched
 
 STEP = 2  # BranchNorm's alpha is moved to this step: 0.5 with T = 4
 DECODED = 12  # validation sentences translated through the stages, in batches of 5

@@ -15,8 +15,8 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from fathom.pipeline.config.run_data import resolve_run
-from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
+from fathom.pipeline.world.distributed import run_launched
 
 step = 0
 sent, slots, busy = Counter(), Counter(), Counter()

@@ -10,8 +10,8 @@ from pathlib import Path
 from fathom.common.checkpoint_format import DATA_POSITION, SCHEDULE_OFFSET
 from fathom.pipeline.checkpoint import saving
 from fathom.pipeline.config.run_data import resolve_run
-from fathom.pipeline.launch.distributed import init_distributed, run_launched
 from fathom.pipeline.train import build_engine
+from fathom.pipeline.world.distributed import init_distributed, run_launched
 
 
 def main():

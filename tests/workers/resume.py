@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from fathom.pipeline.config.run_data import resolve_run
-from fathom.pipeline.launch.distributed import run_launched
 from fathom.pipeline.train import train
+from fathom.pipeline.world.distributed import run_launched
 
 
 def main():

@@ -17,7 +17,7 @@ from collections.abc import MutableMapping
 
 from fathom.common import ports
 from fathom.common.errors import ConfigError
-from fathom.pipeline.launch.distributed import RANK_VARIABLES  # a launcher's ranks: Slurm's variables are its task's
+from fathom.pipeline.world.distributed import RANK_VARIABLES  # a launcher's ranks: Slurm's variables are its task's
 
 RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 REPEATED = re.compile(r"(\d+)(?:\(x(\d+)\))?")

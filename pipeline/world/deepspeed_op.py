@@ -13,7 +13,7 @@ without a word; a rank killed mid-build (SIGKILL skips the release) left every l
 `prepare_cpu_op`, on each CPU rank before deepspeed.init_distributed, loads the op as DeepSpeed would (DeepSpeed
 then finds it loaded), in a directory of this environment's own and with this environment's ninja, and waits on
 another process's build with `wait_for_build`, which ends in a ConfigError once the lock's holder is gone.
-`python -m fathom.pipeline.launch.deepspeed_op` builds it ahead (`make install`).
+`python -m fathom.pipeline.world.deepspeed_op` builds it ahead (`make install`).
 """
 
 from __future__ import annotations
@@ -242,5 +242,5 @@ def main() -> None:
         print(f"fathom: DeepSpeed's CPU op is built in {directory}", flush=True)
 
 
-if __name__ == "__main__":  # python -m fathom.pipeline.launch.deepspeed_op: `make install` builds it ahead
+if __name__ == "__main__":  # python -m fathom.pipeline.world.deepspeed_op: `make install` builds it ahead
     main()

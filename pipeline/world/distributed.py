@@ -4,7 +4,7 @@ and how it exits.
 The training script needs rank and world before the process group exists (the config check, which
 rank reports errors, how many CPU threads each rank takes), when only the launcher's environment knows
 them, and each launcher names them differently. Each tuple is searched in order; the first variable
-set wins. The process group is gloo on CPUs, nccl on GPUs, with the watchdog's timeout; CPU ranks on
+set wins. The process group is gloo on CPUs, nccl on GPUs, with the timeout it is given; CPU ranks on
 one machine split its cores. `end_distributed` and `run_launched` are how a launched process exits.
 """
 
@@ -16,20 +16,21 @@ import os
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.constants import default_pg_timeout
 
 from fathom.common import ports
 from fathom.common.errors import ConfigError
 from fathom.common.heap import set_training_heap
 from fathom.pipeline.config.run_config import TrainConfig
-from fathom.pipeline.launch.deepspeed_op import DEFAULT_TIMEOUT, prepare_cpu_op
-from fathom.pipeline.launch.rendezvous import env_launched, join, port_in_use
-from fathom.pipeline.safety.watchdog import backend_timeout
+from fathom.pipeline.world.deepspeed_op import DEFAULT_TIMEOUT, prepare_cpu_op
+from fathom.pipeline.world.rendezvous import env_launched, join, port_in_use
 
 # deepspeed and torchrun first (mpirun's ranks get these too once DeepSpeed's MPI discovery ran),
 # then Open MPI's mpirun, MPICH and Intel MPI (Hydra), MVAPICH2.
@@ -162,14 +163,15 @@ def run_launched(main: Callable[[], int | None]) -> NoReturn:
 
 
 def init_distributed(
-    hang_timeout: float = TrainConfig.hang_timeout,
+    timeout: timedelta = default_pg_timeout,
     cpu_heap: str = TrainConfig.cpu_heap,
     startup_timeout: float = TrainConfig.startup_timeout,
 ) -> None:
     """nccl on GPUs, gloo on CPUs, once every rank has joined within `startup_timeout` (rendezvous.py);
     CPU ranks on one machine split its cores instead of oversubscribing, with glibc's heap as
-    train.cpu_heap says."""
-    backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", backend_timeout(hang_timeout)
+    train.cpu_heap says. A collective waits `timeout` before the backend gives up: training passes the
+    watchdog's (safety/watchdog.py), which outlasts it; a process without a watchdog keeps DeepSpeed's."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     adopt_standalone_world()
     if backend == "gloo":  # DeepSpeed compiles its CPU all-reduce inside init_distributed: in this environment's
         prepare_cpu_op(min(DEFAULT_TIMEOUT, startup_timeout / 2))  # directory, never on a dead build's lock

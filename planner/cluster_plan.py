@@ -27,7 +27,6 @@ times measured on the cluster's kind of GPU: --time-layers measures them on this
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +149,7 @@ def plan_split(
     """The split's costs (a step time if there are per-layer `times`), or why the config cannot run on it:
     the config check a launch on the split's GPUs would fail. A split whose interval is "auto" gets the one
     a launch would choose on GPUs of `memory` bytes."""
-    pipeline = {**cfg.deepspeed["pipeline"], "stages": split.stages,
-                "activation_checkpoint_interval": split.checkpoint_interval}  # fmt: skip
-    cfg = dataclasses.replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline})
+    cfg = cfg.with_pipeline(stages=split.stages, activation_checkpoint_interval=split.checkpoint_interval)
     try:
         check_deepspeed(cfg.deepspeed, cfg.model, world_size=split.stages * split.replicas)
         check_partition_layers(cfg)

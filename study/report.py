@@ -27,7 +27,8 @@ from fathom.common.files import write_atomic
 from fathom.common.jsonl import read_jsonl
 from fathom.common.run_layout import GRAD_NORMS_FILE
 from fathom.common.tables import markdown_table
-from fathom.pipeline.config.history import flat, shown
+from fathom.pipeline.config.history import shown
+from fathom.pipeline.config.resume_rules import flat
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.study.grid import (
     AXES,

@@ -38,7 +38,8 @@ from fathom.common.run_layout import CONFIG_FILE, META_FILE, latest_tag
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.norms import SCHEMES
 from fathom.pipeline.config.config_file import read_json
-from fathom.pipeline.config.history import flat, read_back
+from fathom.pipeline.config.history import read_back
+from fathom.pipeline.config.resume_rules import flat
 from fathom.pipeline.config.run_config import DataConfig, RunConfig
 from fathom.pipeline.config.run_data import with_vocab
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT

@@ -3,11 +3,13 @@ the keys a config leaves out included, is the value DeepSpeed's engine applies."
 
 import contextlib
 import copy
+import dataclasses
 import io
 
 import pytest
 
 from fathom.model.model_config import ModelConfig
+from fathom.pipeline.config.deepspeed_settings import DeepSpeedSettings
 from fathom.pipeline.config.run_config import DataConfig, RunConfig, TrainConfig
 from fathom.study.grid import AXIS, warmup_steps
 
@@ -37,20 +39,43 @@ def test_the_study_reads_a_base_without_clipping_or_warmup_as_deepspeed_trains_i
     assert AXIS["accumulations"].read(cfg) == 2  # from train_batch_size: there is no gradient_accumulation_steps
 
 
+def precision(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+# Each field of DeepSpeedSettings: (what fathom reads, what a built engine applies). A field without an entry
+# fails the test, so a new setting comes with the engine's value it is held to.
+APPLIED = {
+    "micro_batch_size": (lambda s: s.micro_batch_size, lambda e: e.train_micro_batch_size_per_gpu()),
+    "batch": (lambda s: s.accumulation(replicas=1), lambda e: e.gradient_accumulation_steps()),
+    "gradient_clipping": (lambda s: s.gradient_clipping, lambda e: e.gradient_clipping()),
+    "precision": (lambda s: s.precision, precision),
+    "zero_stage": (lambda s: s.zero_stage, lambda e: e.zero_optimization_stage()),
+    "stages": (lambda s: s.stages, lambda e: e.num_stages),
+    "checkpoint_interval": (
+        lambda s: s.checkpoint_interval,
+        lambda e: e._config.pipeline["activation_checkpoint_interval"],
+    ),  # fmt: skip
+    "use_reentrant": (lambda s: s.use_reentrant, lambda e: e._config.pipeline["use_reentrant"]),
+    "optimizer": (
+        lambda s: (s.optimizer.type.lower(), s.optimizer.params),
+        lambda e: (e._config.optimizer_name, e._config.optimizer_params),
+    ),  # fmt: skip
+    "scheduler": (lambda s: s.scheduler.warmup_num_steps, lambda e: e.lr_scheduler.warmup_num_steps),
+    "comms_logger": (lambda s: s.comms_logger, lambda e: e._config.comms_config.comms_logger_enabled),
+}
+
+
 @pytest.mark.slow
 def test_each_setting_left_out_is_what_the_engine_applies(process_group):
     from fathom.pipeline.train import build_engine  # imports DeepSpeed's engine: only where it is built
 
+    assert set(APPLIED) == {f.name for f in dataclasses.fields(DeepSpeedSettings)}
     cfg = sparse_run()
-    settings = cfg.settings
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list
         engine = build_engine(cfg)
-    assert settings.gradient_clipping == engine.gradient_clipping() == 1.0
-    assert settings.scheduler.warmup_num_steps == engine.lr_scheduler.warmup_num_steps == 1000
-    assert settings.accumulation(replicas=1) == engine.gradient_accumulation_steps() == 2
-    assert settings.micro_batch_size == engine.train_micro_batch_size_per_gpu() == 2
-    assert settings.checkpoint_interval == engine._config.pipeline["activation_checkpoint_interval"] == 0
-    assert settings.use_reentrant is engine._config.pipeline["use_reentrant"] is False  # fathom's engine default
-    assert settings.zero_stage == engine.zero_optimization_stage() == 1
-    assert settings.precision == "fp32" and not engine.bfloat16_enabled() and not engine.fp16_enabled()
-    assert settings.stages == engine.num_stages == 1
+    applied = {name: (ours(cfg.settings), engines(engine)) for name, (ours, engines) in APPLIED.items()}
+    assert all(ours == engines for ours, engines in applied.values()), applied
+    # the defaults that differed before: DeepSpeed's, and fathom's own engine default for use_reentrant
+    assert applied["gradient_clipping"][0] == 1.0 and applied["scheduler"][0] == 1000
+    assert applied["batch"][0] == 2 and applied["use_reentrant"][0] is False

@@ -195,6 +195,32 @@ def test_the_names_of_a_run_s_translations_and_a_data_directory_are_spelled_once
     assert not spelled, "name it through corpus/data_layout.py or common/run_layout.py"
 
 
+def deepspeed_reads(path: Path) -> list[int]:
+    """Lines where `path` reads a config's DeepSpeed dict by key: `X.deepspeed[...]` or `X.deepspeed.get(...)`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        target = node.value if isinstance(node, ast.Subscript) else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            target = node.func.value
+        if isinstance(target, ast.Attribute) and target.attr == "deepspeed":
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_config_reads_deepspeed_settings_by_key():
+    """Each module read DeepSpeed's dict by string key with its own default (gradient_clipping 0.0 in two, inf in
+    a third; DeepSpeed applies 1.0). Outside pipeline/config/ they read RunConfig.settings' attributes."""
+    config = ROOT / "pipeline" / "config"
+    reads = sorted(
+        f"{path.relative_to(ROOT)}:{line}"
+        for package in ALLOWED
+        for path in (ROOT / package).rglob("*.py")
+        if config not in path.parents
+        for line in deepspeed_reads(path)
+    )
+    assert not reads, "read cfg.settings (pipeline/config/deepspeed_settings.py), or add the setting there"
+
+
 def test_no_module_imports_itself_back_through_others():
     deps, cycles, state = graph(), [], {}
 

@@ -53,7 +53,7 @@ def saved_position(state: Mapping[str, Any], steps: int, replicas: int, trained:
     max_tokens = trained["data"].get("max_tokens")
     order = {
         "data.max_tokens": max_tokens,
-        MICRO_BATCH: None if max_tokens is not None else trained[MICRO_BATCH],
+        MICRO_BATCH: None if max_tokens is not None else setting(trained, MICRO_BATCH),
         "train.seed": trained["train"]["seed"],
     }
     micro_batches = accumulation(state.get("ds_config", trained), replicas) * replicas

@@ -57,9 +57,9 @@ from fathom.pipeline.checkpoint.reshape import (
     saved_shape,
     sharded,
 )
-from fathom.pipeline.config.deepspeed_values import precision, zero_optimization_stage
-from fathom.pipeline.config.history import flat, read_back, shown
-from fathom.pipeline.config.resume_rules import deepspeed_rule, settings_with
+from fathom.pipeline.config.deepspeed_values import precision
+from fathom.pipeline.config.history import read_back, shown
+from fathom.pipeline.config.resume_rules import flat, optimizer_layout, setting, settings_with
 from fathom.pipeline.config.run_config import RunConfig
 from fathom.pipeline.engine.internals import checkpoint_engine, set_checkpoint_engine, universal_loading
 from fathom.pipeline.world.distributed import end_distributed
@@ -260,7 +260,7 @@ def check_resume(save_dir: str | Path, cfg: RunConfig, corpus: ParallelCorpus, w
     checkpoint = save_dir / latest_tag(save_dir)
     state = model_states(checkpoint) or {}  # read once: without ZeRO it holds stage 0's optimizer state
     check_optimizer_state(save_dir, checkpoint, cfg.deepspeed, state)
-    check_shape(save_dir, checkpoint, trained["pipeline"]["stages"], cfg, world_size, state)
+    check_shape(save_dir, checkpoint, setting(trained, "pipeline.stages"), cfg, world_size, state)
     replicas = world_size // cfg.stages
     resume_position(recorded_position(checkpoint, state, state.get("global_steps", 0), replicas, trained), cfg,
                     corpus, checkpoint)  # fmt: skip
@@ -302,20 +302,6 @@ def check_shape(
 
 
 ENABLE = {"bf16": "bf16.enabled=true", "fp16": "fp16.enabled=true", "fp32": "bf16.enabled=false and fp16.enabled=false"}
-
-
-def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
-    """What decides the form of the optimizer state a checkpoint holds: the DeepSpeed keys declared
-    OPTIMIZER_STATE (pipeline/config/resume_rules.py), by key, as the engine reads them (an unset ZeRO stage
-    is 0, the optimizer's name is in any case, an unset precision switch is off)."""
-    read = {
-        "zero_optimization.stage": zero_optimization_stage(ds),
-        "optimizer.type": str(ds.get("optimizer", {}).get("type", "")).lower(),
-        "bf16.enabled": precision(ds) == "bf16",
-        "fp16.enabled": precision(ds) == "fp16",
-    }
-    settings = {**flat(ds), **read}
-    return {key: value for key, value in settings.items() if deepspeed_rule(key) is OnResume.OPTIMIZER_STATE}
 
 
 def check_optimizer_state(save_dir: Path, checkpoint: Path, ds: dict[str, Any], state: dict[str, Any]) -> None:

@@ -17,15 +17,7 @@ from fathom.common.files import write_atomic
 from fathom.common.jsonl import read_jsonl
 from fathom.common.run_layout import CONFIG_FILE, CONFIG_HISTORY
 from fathom.common.sections import OnResume
-from fathom.pipeline.config.resume_rules import settings_with
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
+from fathom.pipeline.config.resume_rules import flat, settings_with
 
 
 def read_back(config: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 from fathom.common.sections import OnResume, resume_rules
 from fathom.model.model_config import ModelConfig
 from fathom.model.model_section import scheme_option_rules
+from fathom.pipeline.config.deepspeed_values import precision, zero_optimization_stage
 from fathom.pipeline.config.run_config import DataConfig, TrainConfig
 
 # DeepSpeed's keys apply from the first resumed step (the engine is built from the config at every launch;
@@ -70,6 +71,28 @@ def setting(config: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node
+
+
+def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def optimizer_layout(ds: dict[str, Any]) -> dict[str, Any]:
+    """What decides the form of the optimizer state a checkpoint holds: the DeepSpeed keys declared
+    OPTIMIZER_STATE (pipeline/config/resume_rules.py), by key, as the engine reads them (an unset ZeRO stage
+    is 0, the optimizer's name is in any case, an unset precision switch is off)."""
+    read = {
+        "zero_optimization.stage": zero_optimization_stage(ds),
+        "optimizer.type": str(ds.get("optimizer", {}).get("type", "")).lower(),
+        "bf16.enabled": precision(ds) == "bf16",
+        "fp16.enabled": precision(ds) == "fp16",
+    }
+    settings = {**flat(ds), **read}
+    return {key: value for key, value in settings.items() if deepspeed_rule(key) is OnResume.OPTIMIZER_STATE}
 
 
 def applied_optimizer_arguments() -> list[str]:

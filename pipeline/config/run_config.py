@@ -7,7 +7,7 @@ DeepSpeed's sections against what the pinned DeepSpeed reads, pipeline/config/de
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -205,6 +205,10 @@ class RunConfig:
     @property
     def partition(self) -> str:
         return self.deepspeed["pipeline"].get("partition", DEFAULT_PARTITION)
+
+    def with_pipeline(self, **values: Any) -> RunConfig:
+        """This config with `values` in DeepSpeed's pipeline section: a planned split, "auto"'s interval."""
+        return replace(self, deepspeed={**self.deepspeed, "pipeline": {**self.deepspeed["pipeline"], **values}})
 
     @property
     def batch_size(self) -> BatchSize:

@@ -161,8 +161,7 @@ def requested_interval(cfg: RunConfig) -> int | str:
 
 def with_interval(cfg: RunConfig, choice: CheckpointChoice) -> RunConfig:
     """`cfg` whose DeepSpeed pipeline section holds the chosen interval, and which records the choice."""
-    pipeline = {**cfg.deepspeed["pipeline"], CHECKPOINT_INTERVAL: choice.interval}
-    return replace(cfg, deepspeed={**cfg.deepspeed, "pipeline": pipeline}, auto_checkpointing=choice)
+    return replace(cfg.with_pipeline(**{CHECKPOINT_INTERVAL: choice.interval}), auto_checkpointing=choice)
 
 
 def launch_shape(cfg: RunConfig, corpus: ParallelCorpus) -> MicroBatchShape:

@@ -92,7 +92,7 @@ def progress_line(record: dict[str, Any], max_steps: int, seconds_per_step: floa
     )
 
 
-def data_position(engine: deepspeed.PipelineEngine, consumed: int = 0) -> DataPosition:
+def launch_position(engine: deepspeed.PipelineEngine, consumed: int = 0) -> DataPosition:
     """Which micro-batches this launch reads in each step, from its first, after `consumed` were read."""
     return DataPosition(
         consumed, engine.global_steps, engine.gradient_accumulation_steps(), engine.grid.get_data_parallel_world_size()
@@ -115,7 +115,7 @@ class TrainingLoop:
         self.rank, self.save_dir = dist.get_rank(), Path(cfg.train.save_dir)
         self.scheme = build_scheme(cfg.model)
         self.hooks: list[Callable[[int], None]] = [ScheduleHook(engine.module)]
-        self.position = data_position(engine, start_point.consumed)
+        self.position = launch_position(engine, start_point.consumed)
         self.data = MicroBatches(
             corpus,
             cfg.batch_size,

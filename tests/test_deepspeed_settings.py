@@ -45,7 +45,7 @@ def precision(engine) -> str:
 
 # Each field of DeepSpeedSettings: (what fathom reads, what a built engine applies). A field without an entry
 # fails the test, so a new setting comes with the engine's value it is held to.
-APPLIED = {
+ENGINE_VALUES = {
     "micro_batch_size": (lambda s: s.micro_batch_size, lambda e: e.train_micro_batch_size_per_gpu()),
     "batch": (lambda s: s.accumulation(replicas=1), lambda e: e.gradient_accumulation_steps()),
     "gradient_clipping": (lambda s: s.gradient_clipping, lambda e: e.gradient_clipping()),
@@ -70,11 +70,11 @@ APPLIED = {
 def test_each_setting_left_out_is_what_the_engine_applies(process_group):
     from fathom.pipeline.train import build_engine  # imports DeepSpeed's engine: only where it is built
 
-    assert set(APPLIED) == {f.name for f in dataclasses.fields(DeepSpeedSettings)}
+    assert set(ENGINE_VALUES) == {f.name for f in dataclasses.fields(DeepSpeedSettings)}
     cfg = sparse_run()
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed's layer list
         engine = build_engine(cfg)
-    applied = {name: (ours(cfg.settings), engines(engine)) for name, (ours, engines) in APPLIED.items()}
+    applied = {name: (ours(cfg.settings), engines(engine)) for name, (ours, engines) in ENGINE_VALUES.items()}
     assert all(ours == engines for ours, engines in applied.values()), applied
     # the defaults that differed before: DeepSpeed's, and fathom's own engine default for use_reentrant
     assert applied["gradient_clipping"][0] == 1.0 and applied["scheduler"][0] == 1000

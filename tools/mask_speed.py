@@ -19,7 +19,7 @@ from fathom.common.errors import check_number, exit_on_config_error
 from fathom.corpus.batches import MicroBatches
 from fathom.pipeline.config.run_data import resolve_run
 from fathom.pipeline.engine.recompute import DropoutMasks
-from fathom.pipeline.loop import data_position, train_step
+from fathom.pipeline.loop import launch_position, train_step
 from fathom.pipeline.train import build_engine
 from fathom.pipeline.world.distributed import init_distributed, launched_world
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = build_engine(cfg)
     data = MicroBatches(corpus, cfg.batch_size, cfg.train.seed, data_parallel_rank=engine.grid.get_data_parallel_rank(),
                         data_parallel_size=engine.grid.get_data_parallel_world_size())  # fmt: skip
-    masks = DropoutMasks(engine, cfg.train.seed, data_position(engine))
+    masks = DropoutMasks(engine, cfg.train.seed, launch_position(engine))
     reseed = masks._reseed
     step = 0
 

@@ -229,6 +229,32 @@ def test_rezero_starts_as_the_identity_without_layer_norms():
     torch.testing.assert_close(layer(x, torch.randint(4, 30, (2, 5))), x, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("step", [1, 6, 12])
+def test_branchnorm_at_depth_follows_its_formula_in_every_sublayer(step):
+    """BranchNorm has no reference implementation to train beside (the depth study's control, round 3): at
+    the study's 25L-25L d64 with T = 12, at steps 1, T/2 and T, every sublayer of both stacks, run on the input
+    the stack gives it, is LN(x + alpha_t F(x)) with Eq. 8's alpha_t = min(1, t/T)."""
+    torch.manual_seed(0)
+    cfg = config("branchnorm", encoder_layers=25, decoder_layers=25, embed_dim=64, ffn_dim=256,
+                 schemes={"branchnorm": {"T": 12}})  # fmt: skip
+    model = Transformer(cfg).eval()
+    ScheduleHook(model)(step)
+    alpha = min(1.0, step / 12)
+    src, prev = torch.randint(4, 30, (2, 7)), torch.randint(4, 30, (2, 6))  # no padding
+    with torch.no_grad():
+        x = model.encoder.embed_tokens.embed(src)
+        for layer in model.encoder.layers:
+            expected = written_layer(layer, x, "post", alpha)
+            x = layer(x, src)
+            torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+        encoder_out, y = x, model.decoder.embed_tokens.embed(prev)
+        for layer in model.decoder.layers:
+            expected = written_layer(layer, y, "post", alpha, encoder_out)
+            y = layer(y, encoder_out, src)
+            torch.testing.assert_close(y, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(src, prev), model.decoder.output_projection.project(y), rtol=0, atol=0)
+
+
 def test_branchnorm_at_alpha_one_equals_post_ln():
     torch.manual_seed(0)
     branch = Transformer(config("branchnorm", schemes={"branchnorm": {"T": 10}})).eval()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fathom.model import ModelConfig, Transformer
-from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, torchscale_model
+from fathom.tools.torchscale_peer import TORCHSCALE_SCHEMES, load_our_weights, torchscale_model, torchscale_name
 from fathom.tools.training_comparison import main as compare_main
 from tests.helpers import ROOT
 
@@ -19,11 +19,6 @@ def torchscale(cfg: ModelConfig) -> torch.nn.Module:
         return torchscale_model(cfg, MAX_POSITIONS)
     except ImportError as err:
         pytest.skip(f"torchscale is not importable ({err}); `make peers` installs it")
-
-
-def torchscale_name(name: str) -> str:
-    """Our parameter names are fairseq's; torchscale groups the FFN under `ffn.`."""
-    return re.sub(r"(layers\.\d+\.)(fc1|fc2|ffn_layernorm)", r"\1ffn.\2", name)
 
 
 @pytest.mark.parametrize("scheme", sorted(TORCHSCALE_SCHEMES))
@@ -41,9 +36,7 @@ def test_same_weights_give_torchscales_outputs(scheme, n, m):
             if "norm" in name or "ln" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
     theirs = torchscale(cfg).eval()
-    state = {torchscale_name(k): v for k, v in ours.state_dict().items()}
-    missing, unexpected = theirs.load_state_dict(state, strict=False)
-    assert unexpected == [] and sorted(missing) == ["decoder.embed_positions.weight", "encoder.embed_positions.weight"]
+    load_our_weights(theirs, ours)  # raises on a weight either side lacks, but torchscale's position tables
 
     src = torch.randint(4, VOCAB, (3, 9))  # no padding: torchscale takes its padding mask as an argument
     prev = torch.randint(4, VOCAB, (3, 7))
@@ -97,3 +90,31 @@ def test_compare_training_refuses_a_scheme_torchscale_lacks(capsys, multi30k_sli
         compare_main(["--config", str(ROOT / "ds_configs" / "study_multi30k_base.json"), "--override",
                       f"data.path={multi30k_slice}", "model.norm_scheme=branchnorm", "--at", "1"])  # fmt: skip
     assert exc.value.code == 2 and "torchscale has no branchnorm" in capsys.readouterr().err
+
+
+SAME_WEIGHTS = ["model.encoder_layers=3", "model.decoder_layers=3", "model.norm_scheme=deepnorm", "train.max_steps=4"]
+
+
+def test_same_weights_train_in_lockstep_with_torchscale(multi30k_slice, capsys):
+    """The depth study's control for fathom itself: from one set of weights, on the same micro-batches, fathom's
+    DeepNorm and torchscale's DeepNet give the same loss at step 1 and stay within float rounding after."""
+    torchscale(ModelConfig(encoder_layers=1, decoder_layers=1, src_vocab_size=VOCAB, tgt_vocab_size=VOCAB))
+    compare_main(["--config", str(ROOT / "ds_configs" / "study_multi30k_papers_base.json"), "--same-weights",
+                  "--override", f"data.path={multi30k_slice}", *SAME_WEIGHTS, "model.dropout=0", "--at", "1", "4",
+                  "--tolerance", "1e-5"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step")]
+    assert [line.split()[1] for line in steps] == ["1", "4"], lines
+    first = re.search(r"loss fathom (\S+)  torchscale (\S+)", steps[0])
+    assert first and abs(float(first[1]) - float(first[2])) <= 1e-5 * float(first[1])
+    assert re.fullmatch(r"same weights, same micro-batches, 4 updates: relative loss difference \S+ at step 1, at "
+                        r"most \S+ \(step \d\), within the tolerance 1e-05", lines[-1]), lines  # fmt: skip
+
+
+def test_same_weights_refuse_dropout(multi30k_slice, capsys):
+    """Each implementation draws its own dropout masks, so the losses would part for that alone."""
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--config", str(ROOT / "ds_configs" / "study_multi30k_papers_base.json"), "--same-weights",
+                      "--override", f"data.path={multi30k_slice}", *SAME_WEIGHTS, "--at", "1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "model.dropout: 0.1; --same-weights compares without dropout" in err, err

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -82,3 +83,16 @@ def torchscale_model(cfg: ModelConfig, max_positions: int) -> nn.Module:
     # With share_all_embeddings torchscale's decoder takes the encoder's table when given none.
     tgt_embed = None if cfg.share_all_embeddings else ts.Text(cfg.tgt_vocab_size, dim, padding_idx=PAD)
     return ts.Model(args, src_embed, positions(), tgt_embed, positions())
+
+
+def torchscale_name(name: str) -> str:
+    """Our parameter names are fairseq's; torchscale groups the FFN under `ffn.`."""
+    return re.sub(r"(layers\.\d+\.)(fc1|fc2|ffn_layernorm)", r"\1ffn.\2", name)
+
+
+def load_our_weights(theirs: nn.Module, ours: nn.Module) -> None:
+    """torchscale's model with our model's weights, name for name (its position tables are its own)."""
+    missing, unexpected = theirs.load_state_dict({torchscale_name(k): v for k, v in ours.state_dict().items()},
+                                                 strict=False)  # fmt: skip
+    if unexpected or any("embed_positions" not in name for name in missing):
+        raise ValueError(f"torchscale's model does not take our weights: missing {missing}, unexpected {unexpected}")

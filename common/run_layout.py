@@ -122,11 +122,17 @@ def _damaged_latest(path: Path, problem: str) -> ConfigError:
 
 
 def _newest_committed(save_dir: Path) -> str | None:
-    """The tag of the newest checkpoint training committed (global_stepN or best_global_stepN, with a
-    manifest), found without `latest`."""
-    found = [(step, path.parent.name) for path in save_dir.glob(f"*global_step*/{MANIFEST}")
+    """The tag of the newest checkpoint training committed, found without `latest`."""
+    tags = committed_tags(save_dir)
+    return tags[-1] if tags else None
+
+
+def committed_tags(save_dir: str | Path) -> list[str]:
+    """The tags of the checkpoints training committed (global_stepN or best_global_stepN, with a manifest),
+    in step order."""
+    found = [(step, path.parent.name) for path in Path(save_dir).glob(f"*global_step*/{MANIFEST}")
              if (step := tag_step(path.parent.name)) is not None]  # fmt: skip
-    return max(found)[1] if found else None
+    return [tag for _, tag in sorted(found)]
 
 
 def linked_best(save_dir: str | Path) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from fathom.common.errors import ConfigError
 from fathom.common.jsonl import read_jsonl
-from fathom.common.run_layout import META_FILE, METRICS_FILE, latest_tag
+from fathom.common.run_layout import META_FILE, METRICS_FILE, committed_tags, latest_tag
 from fathom.common.sections import bounds, parse_section
 from fathom.corpus.dataset import read_meta
 from fathom.model.search import SearchConfig
@@ -147,6 +147,9 @@ class StudySpec:
     # How trained cells' validation BLEU is decoded (generate.py's search)
     search: SearchConfig = field(default_factory=lambda: SearchConfig(lenpen=0.6))
     heatmap: str | None = None  # the cell whose per-layer gradient norms the report draws
+    # Each cell's evaluation also measures the source's use at every checkpoint the cell committed (its
+    # train.save_interval apart), which the report draws against updates, per depth
+    source_curve: bool = False
 
     def __post_init__(self) -> None:
         if not self.out.strip():
@@ -309,8 +312,10 @@ def training(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluation_inputs(spec: StudySpec, cell: Cell) -> dict[str, Any]:
-    """What a cell's evaluation is made from beside its data: the checkpoint, and the search of its BLEU."""
-    return {"checkpoint": latest_tag(cell_dir(spec, cell)), "search": asdict(spec.search)}
+    """What a cell's evaluation is made from beside its data: the checkpoint, the search of its BLEU, and
+    with `source_curve` every checkpoint measured."""
+    inputs = {"checkpoint": latest_tag(cell_dir(spec, cell)), "search": asdict(spec.search)}
+    return {**inputs, "curve": committed_tags(cell_dir(spec, cell))} if spec.source_curve else inputs
 
 
 def data_record(paths: list[str]) -> dict[str, Any]:

@@ -1,12 +1,5 @@
-"""A depth study's classification and report, from the cells' own logs alone (study/run.py).
-
-A cell is
-- `diverged`: stopped by a non-finite loss or gradient (train.on_nonfinite=stop), or its training loss
-  after warmup rose above where it started;
-- `stalled`: it ended with weights but did not learn the task: its validation loss is not clearly below
-  the target unigram baseline, or it ignores the source (validation loss with shuffled sources within a
-  small margin of the real one);
-- `trained` otherwise.
+"""A depth study's report, from the cells' own logs alone (study/run.py): each cell's class
+(study/classes.py) and results in the grids' tables, the figures (study/figures.py), and every cell listed.
 
 A cell whose evaluation is not the one to report (the study was killed while evaluating it, or the
 evaluation was made of another checkpoint or with other search settings than the study's now) is
@@ -15,21 +8,18 @@ reported as `evaluating` with what its training logged, and the study's next run
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from fathom.common.figures import pyplot
 from fathom.common.files import write_atomic
-from fathom.common.jsonl import read_jsonl
-from fathom.common.run_layout import GRAD_NORMS_FILE
 from fathom.common.tables import markdown_table
 from fathom.pipeline.config.history import shown
 from fathom.pipeline.config.resume_rules import flat
 from fathom.pipeline.config.run_config import RunConfig
+from fathom.study.classes import CLASSES, DIVERGED, EVALUATING, INTERRUPTED, TRAINED, classify
+from fathom.study.figures import divergence_map, early_steps, heatmap, loss_curves, source_curves, source_gap
 from fathom.study.grid import (
     AXES,
     Cell,
@@ -46,42 +36,9 @@ from fathom.study.grid import (
     read_cell,
     read_sittings,
     training,
-    warmup_steps,
 )
 
-DIVERGED, STALLED, TRAINED = "diverged", "stalled", "trained"
-INTERRUPTED = "interrupted"  # not a class: a cell whose training has not ended
-EVALUATING = "evaluating"  # not a class: a cell whose training ended, without the evaluation to report
-CLASSES = (TRAINED, STALLED, DIVERGED)
-# Nats per target token. Below the unigram baseline by less than this is not learning the task; a
-# source-ignoring decoder is a language model, whose loss barely moves when the sources are shuffled.
-BASELINE_MARGIN = 0.5
-SOURCE_MARGIN = 0.1
 REPORT = "report.md"
-STUDY = "scripts/depth_study.py"  # what draws, for the line saying matplotlib is missing
-
-
-def classify(records: list[dict[str, Any]], result: dict[str, Any], baseline: float, cfg: RunConfig) -> tuple[str, str]:
-    """(class, why) of a cell from its metrics.jsonl records and its cell.json."""
-    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    if result["exit"] != 0:
-        step = losses[-1][0] + 1 if losses else 1
-        return DIVERGED, f"non-finite at step {step}"
-    if bad := [step for step, loss in losses if not math.isfinite(loss)]:
-        return DIVERGED, f"non-finite loss at step {bad[0]}"
-    start = sum(loss for _, loss in losses[:10]) / max(1, len(losses[:10]))
-    after = [loss for step, loss in losses if step > warmup_steps(cfg)]
-    tail = after[-max(1, len(after) // 10) :]
-    if tail and sum(tail) / len(tail) > start:
-        return DIVERGED, f"training loss {sum(tail) / len(tail):.2f} ended above its start {start:.2f}"
-    if "valid_nll" not in result:
-        return STALLED, "no checkpoint to evaluate"
-    nll, shuffled = result["valid_nll"], result["shuffled_nll"]
-    if nll > baseline - BASELINE_MARGIN:
-        return STALLED, f"validation loss {nll:.2f} vs unigram {baseline:.2f}"
-    if shuffled - nll < SOURCE_MARGIN:
-        return STALLED, f"ignores the source: {nll:.2f} vs {shuffled:.2f} shuffled"
-    return TRAINED, f"validation loss {nll:.2f} ({shuffled:.2f} shuffled)"
 
 
 def evaluation_due(spec: StudySpec, cell: Cell, result: dict[str, Any], baseline: float, cfg: RunConfig) -> str | None:
@@ -193,95 +150,6 @@ def hours_by_class(summaries: dict[Cell, dict[str, Any] | None]) -> str:
     return ", ".join(f"{label} {h:.2f} h" for label, h in hours.items())
 
 
-def divergence_map(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], out: Path) -> None:
-    depths = sorted(spec.depths)
-    colors = {TRAINED: 2, STALLED: 1, DIVERGED: 0}
-    grid = [[colors.get((summaries[Cell(s, d)] or {}).get("class"), math.nan) for d in depths] for s in spec.schemes]
-    plt = pyplot(STUDY)
-    fig, ax = plt.subplots(figsize=(1.4 * len(depths) + 2, 0.6 * len(spec.schemes) + 1.5))
-    cmap = plt.matplotlib.colors.ListedColormap(["#d62728", "#ffbf00", "#2ca02c"])
-    ax.imshow(grid, cmap=cmap, vmin=0, vmax=2)
-    for i, scheme in enumerate(spec.schemes):
-        for j, depth in enumerate(depths):
-            summary = summaries[Cell(scheme, depth)]
-            ax.text(j, i, summary["class"] if summary else "-", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(depths)), [f"{d}L-{d}L" for d in depths])
-    ax.set_yticks(range(len(spec.schemes)), spec.schemes)
-    ax.set_title("which scheme trains at which depth")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def loss_curves(spec: StudySpec, out: Path) -> None:
-    depths = sorted(spec.depths)
-    plt = pyplot(STUDY)
-    fig, axes = plt.subplots(1, len(depths), figsize=(3.2 * len(depths), 3.2), squeeze=False, sharey=True)
-    for ax, depth in zip(axes[0], depths, strict=True):
-        for color, scheme in enumerate(spec.schemes):  # a scheme keeps its colour in every panel
-            valid = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "valid_loss" in r]
-            if valid:
-                steps, losses = [r["step"] for r in valid], [r["valid_loss"] for r in valid]
-                ax.plot(steps, losses, "o-", ms=3, color=f"C{color}", label=scheme)
-        ax.set_title(f"{depth}L-{depth}L")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("validation loss (label-smoothed, nats per token)")
-    if drawn := [ax for ax in axes[0] if ax.lines]:
-        drawn[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def early_steps(spec: StudySpec, out: Path, steps: int = 300) -> None:
-    """BranchNorm paper Fig. 3's analogue: gradient norm and loss per step early on, deepest depth."""
-    depth = max(spec.depths)
-    plt = pyplot(STUDY)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    for color, scheme in enumerate(spec.schemes):
-        records = [r for r in cell_records(cell_dir(spec, Cell(scheme, depth))) if "loss" in r][:steps]
-        style = {"lw": 0.8, "color": f"C{color}", "label": scheme}
-        if records:
-            top.plot([r["step"] for r in records], [r["grad_norm"] for r in records], **style)
-            bottom.plot([r["step"] for r in records], [r["loss"] for r in records], **style)
-    top.set_yscale("log")
-    top.set_ylabel("gradient norm (before clipping)")
-    bottom.set_ylabel("training loss")
-    bottom.set_xlabel("step")
-    top.set_title(f"the first {steps} steps at {depth}L-{depth}L")
-    if top.lines:
-        top.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def heatmap(spec: StudySpec, out: Path) -> bool:
-    """Per-layer gradient norms over steps of the chosen cell (its grad_norms.jsonl); False if none."""
-    path = Path(spec.out) / "cells" / str(spec.heatmap) / GRAD_NORMS_FILE
-    if spec.heatmap is None or not path.exists():
-        return False
-    records = read_jsonl(path)
-    names = list(records[0]["norms"])
-    grid = [[math.log10(max(r["norms"][n], 1e-12)) for r in records] for n in names]
-    plt = pyplot(STUDY)
-    fig, ax = plt.subplots(figsize=(8, 0.04 * len(names) + 2.5))
-    image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(0, len(records), max(1, len(records) // 8)),
-                  [str(records[i]["step"]) for i in range(0, len(records), max(1, len(records) // 8))])  # fmt: skip
-    ticks = [i for i, name in enumerate(names) if not name[-1].isdigit() or name.endswith(".0")]
-    ax.set_yticks(ticks, [names[i] for i in ticks], fontsize=7)  # where each stack starts
-    ax.set_xlabel("step")
-    ax.set_ylabel("layer (pipeline order)")
-    ax.set_title(f"{spec.heatmap}: log10 gradient norm per layer")
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def early_gradients(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None]) -> str:
     """Fig. 3's numbers at the main grid's deepest depth: the gradient norm (before clipping) of step 1,
     the largest of steps 1-10, and the medians of steps 11-50 and of the last third of the run."""
@@ -298,38 +166,6 @@ def early_gradients(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None
     return markdown_table(header, rows) if rows else ""
 
 
-def source_gap(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None], out: Path) -> bool:
-    """How much the real source helps (validation loss with shuffled sources minus with real ones)
-    against the measured tokens per update, one line per scheme and depth of each grid that varies
-    accumulation; False if no such grid has finished cells."""
-    plt = pyplot(STUDY)
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for grid in (g for g in spec.grids if g.accumulations):
-        for depth, scheme in itertools.product(sorted(grid.depths), grid.schemes):
-            points = sorted(
-                (s["tokens_per_update"], s["shuffled_nll"] - s["valid_nll"])
-                for c in combinations(grid)
-                if (s := summaries[grid_cell(spec, scheme, depth, c)]) and "valid_nll" in s
-            )
-            if points:
-                color = f"C{spec.schemes.index(scheme) if scheme in spec.schemes else len(spec.schemes)}"
-                style = "o-" if depth == min(grid.depths) else "s--"
-                ax.plot(*zip(*points, strict=True), style, color=color, label=f"{scheme} {depth}L-{depth}L")
-    drawn = bool(ax.lines)
-    if drawn:
-        ax.axhline(SOURCE_MARGIN, color="grey", lw=0.8, ls=":")
-        ax.set_xscale("log")
-        ax.set_xlabel("target tokens per update (measured mean)")
-        ax.set_ylabel("shuffled - real validation loss (nats)")
-        ax.set_title("does the decoder read the source? (dotted: the 'trained' margin)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return drawn
-
-
 def write_report(spec: StudySpec, baseline: float) -> Path:
     """STUDY/report.md with its figures and STUDY/summary.json, from the cells' logs and the unigram
     `baseline` of the study's data; returns the report. Everything is drawn and written anew."""
@@ -338,7 +174,7 @@ def write_report(spec: StudySpec, baseline: float) -> Path:
     divergence_map(spec, summaries, out / "divergence_map.png")
     loss_curves(spec, out / "valid_loss.png")
     early_steps(spec, out / "early_steps.png")
-    figures = ["divergence_map.png", "valid_loss.png", "early_steps.png"]
+    figures = ["divergence_map.png", "valid_loss.png", "early_steps.png", *source_curves(spec, summaries, out)]
     for name, drawn in (
         ("grad_norm_heatmap.png", heatmap(spec, out / "grad_norm_heatmap.png")),
         ("source_gap.png", source_gap(spec, summaries, out / "source_gap.png")),

@@ -43,6 +43,8 @@ from fathom.pipeline.config.resume_rules import flat
 from fathom.pipeline.config.run_config import DataConfig, RunConfig
 from fathom.pipeline.config.run_data import with_vocab
 from fathom.pipeline.safety.divergence import NONFINITE_EXIT
+from fathom.study.classes import TRAINED, classify
+from fathom.study.figures import STUDY
 from fathom.study.grid import (
     BASELINE_FILE,
     CELL_FILE,
@@ -63,8 +65,8 @@ from fathom.study.grid import (
     sittings_path,
     training,
 )
-from fathom.study.report import STUDY, TRAINED, classify, evaluation_due, write_report
-from fathom.study.source_use import unigram_nll, valid_nlls
+from fathom.study.report import evaluation_due, write_report
+from fathom.study.source_use import source_curve, unigram_nll, valid_nlls
 
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
@@ -120,13 +122,16 @@ def train(spec: StudySpec, cell: Cell, cfg: RunConfig, data: dict[str, Any]) -> 
 
 def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, result: dict[str, Any], baseline: float) -> dict[str, Any]:
     """The cell's cell.json with what the report needs beyond the run's logs: what the evaluation was made
-    of, for a cell that ended with weights its validation loss with real and shuffled sources and, if it
-    trained (by the unigram `baseline`), its validation BLEU; and the seconds the evaluation took."""
+    of, for a cell that ended with weights its validation loss with real and shuffled sources (with the
+    study's source_curve, at each checkpoint too) and, if it trained (by the unigram `baseline`), its
+    validation BLEU; and the seconds the evaluation took."""
     directory = cell_dir(spec, cell)
     record = {**training(result), "evaluated": evaluation_inputs(spec, cell)}
     tick = time.monotonic()
     if record["exit"] == 0 and latest_tag(directory) is not None:
         record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.directory))
+        if spec.source_curve:
+            record["source_curve"] = source_curve(directory, Path(cfg.data.directory))
         if classify(cell_records(directory), record, baseline, cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
     record["eval_seconds"] = time.monotonic() - tick

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fathom.common.run_layout import committed_tags, tag_step
 from fathom.corpus.batches import collate
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.loss import token_losses
@@ -49,6 +50,19 @@ def valid_nlls(save_dir: Path, data: Path) -> tuple[float, float]:
     model = load_reference(save_dir)
     pairs, shuffled = with_shuffled_sources(BinarizedCorpus(data, "valid"))
     return nll(model, pairs), nll(model, shuffled)
+
+
+@torch.no_grad()
+def source_curve(save_dir: Path, data: Path) -> list[dict[str, float]]:
+    """Validation loss with real and with shuffled sources at each step the run committed a checkpoint
+    of, in step order: when a model starts to use its source."""
+    pairs, shuffled = with_shuffled_sources(BinarizedCorpus(data, "valid"))
+    points: dict[int, dict[str, float]] = {}
+    for tag in committed_tags(save_dir):
+        if (step := tag_step(tag)) not in points:  # a step's best_ and plain checkpoints hold the same weights
+            model = load_reference(save_dir, tag)
+            points[step] = {"step": step, "valid_nll": nll(model, pairs), "shuffled_nll": nll(model, shuffled)}
+    return list(points.values())
 
 
 @torch.no_grad()

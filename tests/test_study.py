@@ -16,6 +16,7 @@ import pytest
 
 from fathom.corpus.dataset import read_meta
 from fathom.pipeline.config.run_config import load_config
+from fathom.study.classes import DIVERGED, STALLED, TRAINED, classify
 from fathom.study.grid import (
     CELL_FILE,
     Grid,
@@ -27,7 +28,7 @@ from fathom.study.grid import (
     read_sittings,
     read_spec,
 )
-from fathom.study.report import DIVERGED, STALLED, TRAINED, cell_list, cell_summary, classify, cpu_text, entry
+from fathom.study.report import cell_list, cell_summary, cpu_text, entry
 from fathom.study.run import check, run
 from fathom.study.run import main as study_main
 from fathom.study.source_use import unigram_nll
@@ -474,7 +475,7 @@ def test_a_cell_stalled_when_evaluated_but_trained_by_other_margins_is_decoded(t
     monkeypatch.setattr("fathom.study.run.valid_nlls", lambda save_dir, data: (4.2, 5.0))  # unigram 4.48: stalled
     spec = run_study(path)
     assert decoded == []
-    monkeypatch.setattr("fathom.study.report.BASELINE_MARGIN", 0.1)
+    monkeypatch.setattr("fathom.study.classes.BASELINE_MARGIN", 0.1)
     assert entry(cell_summary(spec, cells(spec)[0], unigram_nll(multi30k_slice))) == (
         "evaluating: training ended at step 12; stalled when evaluated, so not decoded, but trained by today's "
         "margins; the next run evaluates it"
@@ -531,3 +532,48 @@ def test_the_source_use_nll_is_the_models_per_token_nll():
     with torch.no_grad():
         expected = F.cross_entropy(model(src, prev).flatten(0, 1), target.flatten(), ignore_index=PAD).item()
     assert nll(model, pairs) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_source_curve_measures_each_committed_checkpoint(tmp_path, multi30k_slice):
+    """When a cell starts to read its source (round 3): its validation loss with real and shuffled sources at
+    every checkpoint it committed, in step order, the last one its evaluation's own numbers."""
+    import torch
+
+    from fathom.corpus.dataset import BinarizedCorpus
+    from fathom.model.model_config import ModelConfig
+    from fathom.model.transformer import Transformer
+    from fathom.study.source_use import nll, source_curve, valid_nlls, with_shuffled_sources
+    from tests.helpers import write_run
+
+    torch.manual_seed(0)
+    valid = BinarizedCorpus(multi30k_slice, "valid")
+    cfg = ModelConfig(encoder_layers=1, decoder_layers=1, embed_dim=8, ffn_dim=16, attention_heads=2,
+                      src_vocab_size=valid.src_vocab_size, tgt_vocab_size=valid.tgt_vocab_size)  # fmt: skip
+    models = {100: Transformer(cfg).eval(), 200: Transformer(cfg).eval()}
+    for step, model in models.items():
+        write_run(model, tmp_path / "run", step=step)
+    curve = source_curve(tmp_path / "run", multi30k_slice)
+    pairs, shuffled = with_shuffled_sources(valid)
+    expected = [(step, nll(model, pairs), nll(model, shuffled)) for step, model in models.items()]
+    assert [(p["step"], p["valid_nll"], p["shuffled_nll"]) for p in curve] == pytest.approx(expected)
+    latest = valid_nlls(tmp_path / "run", multi30k_slice)
+    assert (curve[-1]["valid_nll"], curve[-1]["shuffled_nll"]) == pytest.approx(latest)
+
+
+def test_a_study_with_source_curves_evaluates_and_draws_them(tmp_path, monkeypatch, multi30k_slice):
+    """`source_curve`: each cell's evaluation measures its checkpoints, and the report draws them per depth."""
+    from fathom.study.report import write_report
+
+    path = write_study(tmp_path, multi30k_slice)
+    edit_study(path, source_curve=True)
+    fake_training(monkeypatch), fake_evaluation(monkeypatch)
+    measured = []
+    curve = [{"step": 6, "valid_nll": 3.5, "shuffled_nll": 3.6}, {"step": 12, "valid_nll": 3.0, "shuffled_nll": 4.0}]
+    monkeypatch.setattr("fathom.study.run.source_curve", lambda save_dir, data: measured.append(save_dir.name) or curve)
+    spec = run_study(path)
+    assert measured == [c.name for c in cells(spec)]
+    assert all(json.loads((cell_dir(spec, c) / CELL_FILE).read_text())["source_curve"] == curve for c in cells(spec))
+    report = write_report(spec, 5.0).read_text()
+    for depth in spec.depths:
+        assert (tmp_path / "study" / f"source_curve_{depth}L.png").stat().st_size > 0
+        assert f"![source_curve_{depth}L.png](source_curve_{depth}L.png)" in report

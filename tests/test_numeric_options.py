@@ -140,6 +140,8 @@ CASES = [
     Case("estimate_memory", "--length", "0", "--length: must be at least 1, got 0"),
     Case("average_checkpoints", "--last", "1", "--last 1: averaging needs at least 2 checkpoints"),
     Case("compare_training", "--at", "0", "--at: steps start at 1, got 0"),
+    Case("compare_training", "--tolerance", "-1", "--tolerance: must be at least 0, got -1.0", ("--at", "1")),
+    Case("compare_training", "--tolerance", "nan", "--tolerance: must be a finite number, got nan", ("--at", "1")),
     Case("bench_masks", "--warmup", "-1", "--warmup: must be at least 0, got -1"),
     Case("bench_masks", "--blocks", "0", "--blocks: must be at least 1, got 0"),
     Case("bench_masks", "--steps", "0", "--steps: must be at least 1, got 0"),

@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_on_config_error():
         if min(args.at) < 1:
             raise ConfigError(f"--at: steps start at 1, got {min(args.at)}")
-        check_number("--tolerance", args.tolerance, 0.0)
+        check_number("--tolerance", args.tolerance, 0)
         cfg, _ = resolve_run(args.config, args.override, world_size=None)
         if cfg.data.directory is None:
             raise ConfigError("data.path: compare_training needs a prepared data directory")

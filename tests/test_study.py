@@ -554,8 +554,9 @@ def test_the_source_curve_measures_each_committed_checkpoint(tmp_path, multi30k_
         write_run(model, tmp_path / "run", step=step)
     curve = source_curve(tmp_path / "run", multi30k_slice)
     pairs, shuffled = with_shuffled_sources(valid)
-    expected = [(step, nll(model, pairs), nll(model, shuffled)) for step, model in models.items()]
-    assert [(p["step"], p["valid_nll"], p["shuffled_nll"]) for p in curve] == pytest.approx(expected)
+    assert [point["step"] for point in curve] == list(models)
+    assert [point["valid_nll"] for point in curve] == pytest.approx([nll(m, pairs) for m in models.values()])
+    assert [point["shuffled_nll"] for point in curve] == pytest.approx([nll(m, shuffled) for m in models.values()])
     latest = valid_nlls(tmp_path / "run", multi30k_slice)
     assert (curve[-1]["valid_nll"], curve[-1]["shuffled_nll"]) == pytest.approx(latest)
 

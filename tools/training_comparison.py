@@ -32,7 +32,7 @@ from torch import nn
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, check_number, exit_on_config_error
-from fathom.corpus.batches import MicroBatches, collate
+from fathom.corpus.batches import MicroBatches, ParallelCorpus, collate
 from fathom.model import Transformer
 from fathom.model.loss import label_smoothed_cross_entropy
 from fathom.model.model_config import PAD
@@ -124,19 +124,20 @@ class Trainee:
         return total / len(micro_batches)
 
 
-def longest_pair(cfg: RunConfig) -> int:
+def corpora(cfg: RunConfig) -> tuple[ParallelCorpus, ParallelCorpus, int]:
+    """The run's training and validation pairs, read once, and the longest pair of either."""
     train, valid = build_corpus(cfg, "train"), build_corpus(cfg, "valid")
-    return int(max(train.lengths().max(), valid.lengths().max()))
+    return train, valid, int(max(train.lengths().max(), valid.lengths().max()))
 
 
 def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
-    valid = build_corpus(cfg, "valid")
+    train, valid, longest = corpora(cfg)
     pairs, shuffled = with_shuffled_sources(valid)
     probe_sources = collate(pairs[:ENCODER_SPREAD_SENTENCES])[0][0]
     torch.manual_seed(cfg.train.seed)
-    model, encode = build(name, cfg, max_positions=longest_pair(cfg) + 3)
+    model, encode = build(name, cfg, max_positions=longest + 3)
     trainee, accumulation = Trainee(cfg, model), cfg.settings.accumulation(replicas=1)
-    data = MicroBatches(build_corpus(cfg, "train"), cfg.batch_size, cfg.train.seed)
+    data = MicroBatches(train, cfg.batch_size, cfg.train.seed)
     tick = time.monotonic()
     model.eval()
     print(f"{name:10s} step {0:4d}  encoder spread {encoder_spread(encode, probe_sources):.3f}", flush=True)
@@ -156,12 +157,13 @@ def train_and_probe(name: str, cfg: RunConfig, at: list[int]) -> None:
 def train_in_lockstep(cfg: RunConfig, updates: int, at: list[int], tolerance: float) -> float:
     """fathom's model and torchscale's from fathom's initial weights, `updates` updates on the same
     micro-batches; prints both losses at the `at` steps and a summary; returns the largest relative difference."""
+    train, _, longest = corpora(cfg)
     torch.manual_seed(cfg.train.seed)
     ours = Trainee(cfg, build("fathom", cfg, 0)[0])
-    theirs_model = Torchscale(torchscale_model(cfg.model, longest_pair(cfg) + 3))
+    theirs_model = Torchscale(torchscale_model(cfg.model, longest + 3))
     load_our_weights(theirs_model.model, ours.model)
     theirs, accumulation = Trainee(cfg, theirs_model), cfg.settings.accumulation(replicas=1)
-    data = MicroBatches(build_corpus(cfg, "train"), cfg.batch_size, cfg.train.seed)
+    data = MicroBatches(train, cfg.batch_size, cfg.train.seed)
     tick, worst, worst_step, first = time.monotonic(), 0.0, 0, 0.0
     for step in range(1, updates + 1):
         batches = [next(data) for _ in range(accumulation)]

@@ -1,5 +1,7 @@
 """A hung peer ends the job within train.hang_timeout, naming the rank to blame (pipeline/safety/watchdog.py)."""
 
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -14,6 +16,7 @@ import pytest
 from fathom.common.errors import ConfigError
 from fathom.common.run_layout import HEARTBEAT_FILE
 from fathom.pipeline.config.run_config import load_config
+from fathom.pipeline.safety.peers import gone_peers_within
 from fathom.pipeline.safety.watchdog import Heartbeat, Seen, Watchdog, blame, read_heartbeat, watch
 from tests.helpers import ROOT, launch_env, launcher_command
 
@@ -147,6 +150,21 @@ def running_in_group(pgid: int, grace: float) -> list[psutil.Process]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_peer_still_dying_when_its_connection_closes_is_named(tmp_path):
+    """A SIGKILLed rank's sockets close before its process has ended; the survivor read it as running and
+    said "lost a peer rank" (CI, issue 65). It now looks again until the process has ended."""
+    dying = subprocess.Popen(["sleep", "1"])
+    beat = Heartbeat(rank=1, host=socket.gethostname(), pid=dying.pid, beat=1, progress=3, doing="training step 4")
+    (tmp_path / HEARTBEAT_FILE.format(rank=1)).write_text(json.dumps(dataclasses.asdict(beat)))
+    try:
+        gone = gone_peers_within(tmp_path, rank=0, world_size=2, host=socket.gethostname())
+    finally:
+        dying.kill()
+        dying.wait()
+    assert gone == [f"rank 1 (pid {dying.pid})"]
 
 
 @pytest.mark.slow

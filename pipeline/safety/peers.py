@@ -5,11 +5,16 @@ fails inside gloo or nccl with "Connection closed by peer" and a traceback throu
 The survivors cannot save (the job is one model), so each says which peer is gone (from the hang
 watchdog's heartbeats: a rank whose file is gone or whose process on this host is dead), what the
 backend said, and the checkpoint --resume continues from, and exits with status 1.
+
+A killed process's sockets close before it has finished dying, so the survivor can see the lost connection
+while the peer still reads as running; it looks again for up to DYING_GRACE seconds before settling for
+"a peer rank".
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +27,7 @@ from fathom.pipeline.safety.watchdog import read_heartbeat
 
 # What gloo and nccl say when a peer's connection ends.
 LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+DYING_GRACE = 10.0  # seconds; freeing a large process's memory as it exits can take seconds
 
 
 def lost_peer(err: BaseException) -> str | None:
@@ -54,6 +60,14 @@ def gone_peers(save_dir: Path, rank: int, world_size: int, host: str) -> list[st
     return gone
 
 
+def gone_peers_within(save_dir: Path, rank: int, world_size: int, host: str, grace: float = DYING_GRACE) -> list[str]:
+    """gone_peers, looking again until one is found or `grace` seconds pass: a peer may still be dying."""
+    deadline = time.monotonic() + grace
+    while not (gone := gone_peers(save_dir, rank, world_size, host)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return gone
+
+
 @contextmanager
 def exit_on_lost_peer(save_dir: Path, rank: int, world_size: int, host: str) -> Iterator[None]:
     try:
@@ -62,7 +76,7 @@ def exit_on_lost_peer(save_dir: Path, rank: int, world_size: int, host: str) -> 
         said = lost_peer(err)
         if said is None:
             raise
-        gone = gone_peers(save_dir, rank, world_size, host)
+        gone = gone_peers_within(save_dir, rank, world_size, host)
         who = " and ".join(gone) if gone else "a peer rank"
         tag = latest_tag(save_dir) if save_dir.is_dir() else None
         resume = f"the same command with --resume continues from {tag}" if tag else "no checkpoint was saved yet"

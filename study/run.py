@@ -34,7 +34,7 @@ from fathom.common.files import write_atomic
 from fathom.common.machine import cpu
 from fathom.common.outputs import check_makeable
 from fathom.common.ports import free_port
-from fathom.common.run_layout import CONFIG_FILE, META_FILE, latest_tag
+from fathom.common.run_layout import CONFIG_FILE, META_FILE, latest_step, latest_tag
 from fathom.corpus.dataset import BinarizedCorpus
 from fathom.model.norms import SCHEMES
 from fathom.pipeline.config.config_file import read_json
@@ -129,9 +129,13 @@ def evaluate(spec: StudySpec, cell: Cell, cfg: RunConfig, result: dict[str, Any]
     record = {**training(result), "evaluated": evaluation_inputs(spec, cell)}
     tick = time.monotonic()
     if record["exit"] == 0 and latest_tag(directory) is not None:
-        record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, Path(cfg.data.directory))
-        if spec.source_curve:
-            record["source_curve"] = source_curve(directory, Path(cfg.data.directory))
+        data = Path(cfg.data.directory)
+        if spec.source_curve:  # the curve's point at the latest step is the pair valid_nlls would measure
+            record["source_curve"] = curve = source_curve(directory, data)
+            (latest,) = [point for point in curve if point["step"] == latest_step(directory)]
+            record["valid_nll"], record["shuffled_nll"] = latest["valid_nll"], latest["shuffled_nll"]
+        else:
+            record["valid_nll"], record["shuffled_nll"] = valid_nlls(directory, data)
         if classify(cell_records(directory), record, baseline, cfg)[0] == TRAINED:
             record["bleu"] = bleu(spec, cfg, directory)
     record["eval_seconds"] = time.monotonic() - tick

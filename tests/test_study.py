@@ -562,18 +562,22 @@ def test_the_source_curve_measures_each_committed_checkpoint(tmp_path, multi30k_
 
 
 def test_a_study_with_source_curves_evaluates_and_draws_them(tmp_path, monkeypatch, multi30k_slice):
-    """`source_curve`: each cell's evaluation measures its checkpoints, and the report draws them per depth."""
+    """`source_curve`: each cell's evaluation measures its checkpoints, takes the latest one's losses from
+    that curve (not measured twice), and the report draws them per depth."""
     from fathom.study.report import write_report
 
     path = write_study(tmp_path, multi30k_slice)
     edit_study(path, source_curve=True)
     fake_training(monkeypatch), fake_evaluation(monkeypatch)
     measured = []
-    curve = [{"step": 6, "valid_nll": 3.5, "shuffled_nll": 3.6}, {"step": 12, "valid_nll": 3.0, "shuffled_nll": 4.0}]
+    curve = [{"step": 6, "valid_nll": 3.5, "shuffled_nll": 3.6}, {"step": 12, "valid_nll": 3.1, "shuffled_nll": 4.2}]
     monkeypatch.setattr("fathom.study.run.source_curve", lambda save_dir, data: measured.append(save_dir.name) or curve)
+    monkeypatch.setattr("fathom.study.run.valid_nlls", lambda save_dir, data: pytest.fail("measured the latest twice"))
     spec = run_study(path)
     assert measured == [c.name for c in cells(spec)]
-    assert all(json.loads((cell_dir(spec, c) / CELL_FILE).read_text())["source_curve"] == curve for c in cells(spec))
+    for cell in cells(spec):
+        record = json.loads((cell_dir(spec, cell) / CELL_FILE).read_text())
+        assert record["source_curve"] == curve and (record["valid_nll"], record["shuffled_nll"]) == (3.1, 4.2)
     report = write_report(spec, 5.0).read_text()
     for depth in spec.depths:
         assert (tmp_path / "study" / f"source_curve_{depth}L.png").stat().st_size > 0

@@ -161,8 +161,8 @@ def source_curves(spec: StudySpec, summaries: dict[Cell, dict[str, Any] | None],
         for ax in (loss, gap):
             ax.set_xlabel("update")
             ax.grid(alpha=0.3)
-        loss.set_title(f"{depth}L-{depth}L")
-        gap.set_title("does the decoder read the source? (dotted: the margin)")
+        loss.set_title(f"{depth}L-{depth}L: validation loss")
+        gap.set_title("source gap (dotted: the 'trained' margin)")
         gap.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)

@@ -8,8 +8,9 @@ Every cell starts from the same experiment config (data order, batches, optimize
 changes only what its grid varies (study/grid.py). A cell is a run directory STUDY/cells/NAME; its
 training has ended once STUDY/cells/NAME/cell.json exists, so the same command again skips those cells
 and resumes an interrupted one from its last checkpoint. Each start of a cell's training (a sitting) is
-recorded with the CPU it ran on. Each finished cell is classified from its own logs
-(study/report.py), and the report is rebuilt from them alone.
+recorded with the CPU it ran on and how long it ran (updated every SITTING_TICK seconds, so a killed
+study loses at most that of it); a cell's training time is its sittings'. Each finished cell is
+classified from its own logs (study/report.py), and the report is rebuilt from them alone.
 
 What a study keeps across runs records what it was computed from, and is computed again, or refused,
 when that differs: baseline.json (the data's path and checksums: computed again), a cell's training
@@ -24,8 +25,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fathom.common.cli import command_parser
 from fathom.common.errors import ConfigError, exit_on_config_error
@@ -61,6 +63,7 @@ from fathom.study.grid import (
     evaluation_inputs,
     micro_batches_per_update,
     read_cell,
+    read_sittings,
     read_spec,
     sittings_path,
     training,
@@ -68,6 +71,7 @@ from fathom.study.grid import (
 from fathom.study.report import evaluation_due, write_report
 from fathom.study.source_use import source_curve, unigram_nll, valid_nlls
 
+SITTING_TICK = 10  # seconds between updates of a sitting's time: the most a killed study loses of it
 FIXED_DEPTH = 10  # default study: 6L-6L trained at 2,561 tok/s, 100L-100L at ~350; (100+10)/(6+10) = 6.9 vs 7.3
 
 
@@ -89,14 +93,40 @@ def train_cell(spec: StudySpec, cell: Cell, cfg: RunConfig) -> int:
     log = directory.parent / f"{cell.name}.log"  # beside the run: train.py makes and may remove the run
     steps = [r["step"] for r in cell_records(directory) if "loss" in r]
     sitting = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "after_step": steps[-1] if steps else 0, **cpu()}
-    with open(sittings_path(spec, cell), "a") as out:
-        out.write(json.dumps(sitting) + "\n")
+    before, path, tick = read_sittings(spec, cell), sittings_path(spec, cell), time.monotonic()
+
+    def record_time() -> None:
+        sitting["seconds"] = time.monotonic() - tick
+        write_atomic(path, "".join(json.dumps(s) + "\n" for s in [*before, sitting]))
+
     with open(log, "a") as out:
-        status = subprocess.run(command(spec, cell, cfg, free_port()), stdout=out, stderr=subprocess.STDOUT).returncode
+        status = run_recording(command(spec, cell, cfg, free_port()), out, record_time)
     if status not in (0, NONFINITE_EXIT):
         tail = "".join(log.read_text().splitlines(keepends=True)[-5:]).strip()
         raise ConfigError(f"cell {cell.name}: training exited with status {status}; see {log}:\n{tail}")
     return status
+
+
+def run_recording(argv: list[str], out: IO[str], record: Callable[[], None]) -> int:
+    """Runs `argv` with its output to `out`, calling `record` at its start, every SITTING_TICK seconds and
+    at its end; returns its exit status."""
+    with subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT) as process:
+        record()
+        while True:
+            try:
+                status = process.wait(timeout=SITTING_TICK)
+            except subprocess.TimeoutExpired:
+                record()
+                continue
+            record()
+            return status
+
+
+def training_seconds(sittings: list[dict[str, Any]]) -> float:
+    """A cell's training time: its sittings' since its last start from step 0 (a cell removed and trained
+    again starts over). A sitting of an older fathom recorded no time and counts none."""
+    fresh = [number for number, sitting in enumerate(sittings) if sitting["after_step"] == 0]
+    return sum(sitting.get("seconds", 0.0) for sitting in sittings[fresh[-1] if fresh else 0 :])
 
 
 def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
@@ -110,12 +140,12 @@ def bleu(spec: StudySpec, cfg: RunConfig, save_dir: Path) -> float:
 
 
 def train(spec: StudySpec, cell: Cell, cfg: RunConfig, data: dict[str, Any]) -> dict[str, Any]:
-    """Trains the cell and writes what its cell.json keeps of the training: the exit status, the time and
-    the data it trained on (`data`, a data record). Written before the evaluation, so a study killed
-    during it keeps them, and its next run evaluates the cell instead of training it again."""
-    tick = time.monotonic()
+    """Trains the cell and writes what its cell.json keeps of the training: the exit status, the time of
+    all its sittings and the data it trained on (`data`, a data record). Written before the evaluation,
+    so a study killed during it keeps them, and its next run evaluates the cell instead of training it
+    again."""
     status = train_cell(spec, cell, cfg)
-    result = {"exit": status, "seconds": time.monotonic() - tick, "data": data}
+    result = {"exit": status, "seconds": training_seconds(read_sittings(spec, cell)), "data": data}
     write_atomic(cell_dir(spec, cell) / CELL_FILE, json.dumps(result, indent=2) + "\n")
     return result
 

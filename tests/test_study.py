@@ -228,6 +228,8 @@ def test_a_killed_study_resumes_and_reports_from_logs(tmp_path, multi30k_slice):
     assert "resumed from" in (second.parent / "pre_ln-2L.log").read_text()  # from its checkpoint, not step 0
     sittings = read_sittings(spec, cells(spec)[1])
     assert [s["after_step"] > 0 for s in sittings] == [False, True], sittings  # and each start recorded
+    trained = json.loads((second / CELL_FILE).read_text())["seconds"]  # the killed sitting's time counts
+    assert sittings[0]["seconds"] > 0 and trained == pytest.approx(sittings[0]["seconds"] + sittings[1]["seconds"])
     summary = {s["cell"]: s for s in json.loads((tmp_path / "study" / "summary.json").read_text())}
     assert summary["pre_ln-1L-lr100-warmup0-acc8"]["class"] == DIVERGED
     assert {summary[c]["class"] for c in ("pre_ln-1L", "pre_ln-2L")} <= {TRAINED, STALLED}

@@ -111,15 +111,14 @@ def run_recording(argv: list[str], out: IO[str], record: Callable[[], None]) -> 
     """Runs `argv` with its output to `out`, calling `record` at its start, every SITTING_TICK seconds and
     at its end; returns its exit status."""
     with subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT) as process:
-        record()
         while True:
-            try:
-                status = process.wait(timeout=SITTING_TICK)
-            except subprocess.TimeoutExpired:
-                record()
-                continue
             record()
-            return status
+            if process.poll() is not None:
+                return process.returncode
+            try:
+                process.wait(timeout=SITTING_TICK)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def training_seconds(sittings: list[dict[str, Any]]) -> float:
